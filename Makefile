@@ -1,0 +1,54 @@
+# nvfp4-train: two commands set up a fresh machine: `make train` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST := $(PY) -m pytest -q
+
+.PHONY: install test test-unit test-triton test-dist test-gpu bench bench-kernels wheelhouse clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu-constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -c requirements/cpu-constraints.txt -e ".[dev]"
+	$(PY) -c "import torch, triton, megatron.core; print('torch', torch.__version__, 'triton', triton.__version__)"
+	touch $(STAMP)
+
+# The README's test command (what CI runs through .ci/run): CPU unit tests, Triton kernels under the
+# interpreter (the flag is read at import, so they get their own process), then the two-rank gloo tests.
+test: $(STAMP)
+	$(PYTEST) -m "not triton and not dist and not gpu" tests
+	TRITON_INTERPRET=1 $(PYTEST) -m triton tests
+	$(PYTEST) -m dist tests
+
+test-unit: $(STAMP)
+	$(PYTEST) -m "not triton and not dist and not gpu" tests
+
+test-triton: $(STAMP)
+	TRITON_INTERPRET=1 $(PYTEST) -m triton tests
+
+test-dist: $(STAMP)
+	$(PYTEST) -m dist tests
+
+# On a CUDA machine (no venv: the machine's own torch/triton, packages from the wheelhouse on PYTHONPATH):
+# the same Triton tests natively, plus the GPU-only tests.
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pytest -q -m "triton or gpu" tests
+
+bench: bench-kernels
+
+bench-kernels:
+	$(GPU_PY) scripts/bench_kernels.py
+
+wheelhouse:
+	bash scripts/wheelhouse.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache
