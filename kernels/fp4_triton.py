@@ -1,0 +1,136 @@
+"""Triton device functions shared by the FP4 kernels (NVFP4, MXFP4) and the FP8 kernels.
+
+Each function here computes, with explicit fp32 and integer bit arithmetic, exactly what its counterpart in
+``kernels/fp4_reference.py`` (or ``torch.Tensor.to(torch.float8_e4m3fn)``) computes. No narrowing float
+cast is used for rounding: the CPU interpreter and the GPU round such casts differently.
+
+Kernels that use them must be launched with ``enable_fp_fusion=False`` where a multiply feeds an add with an
+inexact product (none of these functions has one: every product that meets an add here is exact).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def u32(x):
+    return x.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def mix32(x):
+    """lowbias32 on uint32 (wrapping multiplies)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def random_bits8(idx, key):
+    """8 random bits (int32 in [0, 256)) for linear element indices ``idx`` (int64) under ``key`` (uint32)."""
+    c = idx.to(tl.uint32) + key.to(tl.uint32)
+    return (mix32(c) >> 24).to(tl.int32)
+
+
+@triton.jit
+def e2m1_round_nearest(v):
+    """fp32 -> int32 E2M1 code (0..15), RNE, saturating; NaN -> 0; sign kept (v < 0)."""
+    m = tl.abs(v)
+    idx = (
+        (m > 0.25).to(tl.int32)
+        + (m >= 0.75).to(tl.int32)
+        + (m > 1.25).to(tl.int32)
+        + (m >= 1.75).to(tl.int32)
+        + (m > 2.5).to(tl.int32)
+        + (m >= 3.5).to(tl.int32)
+        + (m > 5.0).to(tl.int32)
+    )
+    return idx | ((v < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def e2m1_round_stochastic(v, rbits):
+    """fp32 -> int32 E2M1 code with stochastic rounding from 8 random bits (int32 in [0, 256))."""
+    m = tl.abs(v)
+    li = (
+        (m >= 0.5).to(tl.int32)
+        + (m >= 1.0).to(tl.int32)
+        + (m >= 1.5).to(tl.int32)
+        + (m >= 2.0).to(tl.int32)
+        + (m >= 3.0).to(tl.int32)
+        + (m >= 4.0).to(tl.int32)
+        + (m >= 6.0).to(tl.int32)
+    )
+    lo = tl.where(li <= 4, li.to(tl.float32) * 0.5, (li - 2).to(tl.float32))
+    inv_gap_256 = tl.where(li <= 3, 512.0, tl.where(li <= 5, 256.0, 128.0))
+    t = (m - lo) * inv_gap_256
+    up = (rbits.to(tl.float32) < t) & (li < 7)
+    idx = li + up.to(tl.int32)
+    return idx | ((v < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def e4m3_rne_pos(s):
+    """Round fp32 ``s`` in [0, 448] (or NaN) to E4M3, nearest-even, subnormals kept.
+
+    Returns (byte as int32, the rounded value as fp32). NaN -> 0x7F / NaN.
+    """
+    bits = u32(s)
+    # normal E4M3 (s >= 2^-6): keep 3 mantissa bits of the fp32 encoding, ties to even
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    byte_n = (((rb >> 23).to(tl.int32) - 120) << 3) | ((rb >> 20) & 7).to(tl.int32)
+    val_n = rb.to(tl.float32, bitcast=True)
+    # subnormal E4M3: multiples of 2^-9; s * 512 is exact and < 8, the magic add rounds it to an integer
+    t = s * 512.0
+    r = (t + 8388608.0) - 8388608.0
+    byte_s = r.to(tl.int32)
+    val_s = r * 0.001953125
+    normal = s >= 0.015625
+    byte = tl.where(normal, byte_n, byte_s)
+    val = tl.where(normal, val_n, val_s)
+    isnan = s != s
+    byte = tl.where(isnan, 0x7F, byte)
+    val = tl.where(isnan, s, val)
+    return byte, val
+
+
+@triton.jit
+def round_to_bf16(y):
+    """Round fp32 values to bf16 (nearest-even) and return them as fp32."""
+    bits = u32(y)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _butterfly_stage(t, R: tl.constexpr, H: tl.constexpr):
+    t4 = tl.reshape(t, [R, 16 // (2 * H), 2, H])
+    t4 = tl.permute(t4, (0, 1, 3, 2))
+    a, b = tl.split(t4)
+    t4 = tl.join(a + b, a - b)
+    t4 = tl.permute(t4, (0, 1, 3, 2))
+    return tl.reshape(t4, [R, 16])
+
+
+@triton.jit
+def hadamard16(t, R: tl.constexpr):
+    """Fast Walsh-Hadamard transform of each row of ``t`` [R, 16] (fp32, already multiplied by s/4):
+    strides 1, 2, 4, 8, in this order (the reference's order)."""
+    t = _butterfly_stage(t, R, 1)
+    t = _butterfly_stage(t, R, 2)
+    t = _butterfly_stage(t, R, 4)
+    t = _butterfly_stage(t, R, 8)
+    return t
+
+
+@triton.jit
+def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] int32 codes -> [R, C/2] uint8, element 2j in the low nibble."""
+    p = tl.reshape(codes, [R, C // 2, 2])
+    lo, hi = tl.split(p)
+    return (lo | (hi << 4)).to(tl.uint8)

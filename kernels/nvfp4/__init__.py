@@ -1,0 +1,139 @@
+"""NVFP4: E2M1 values, 16-element blocks with E4M3 decode scales, an fp32 tensor scale.
+
+Public API (the same call runs the Triton kernels on CUDA tensors and on CPU under ``TRITON_INTERPRET=1``,
+the pure-PyTorch reference otherwise; both give the same bits):
+
+    q = quantize_nvfp4(x, block_2d=False, rht=False, stochastic=False, seed=0)   # blocks along the LAST dim
+    q.codes, q.scales, q.amax
+    dequantize_nvfp4(q)                                    # float32 [M, K]
+    row, col = quantize_nvfp4_rowcol(x, ...)               # both copies a linear layer needs, one pass
+    nvfp4_gemm(a, b, out_dtype=torch.bfloat16)             # C[M, N] = A[M, K] . B[N, K]^T
+
+See ``reference.py`` for the exact arithmetic and the non-finite policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._dispatch import use_triton
+from kernels.fp4_reference import seed_key
+from kernels.nvfp4.reference import (
+    BLOCK,
+    NVFP4Tensor,
+    check_input,
+    dequantize_nvfp4_ref,
+    hadamard16_ref,
+    nvfp4_alpha,
+    nvfp4_gemm_ref,
+    quantize_nvfp4_ref,
+    quantize_nvfp4_rowcol_ref,
+    transpose_nvfp4_ref,
+)
+
+__all__ = [
+    "NVFP4Tensor",
+    "quantize_nvfp4",
+    "quantize_nvfp4_rowcol",
+    "dequantize_nvfp4",
+    "nvfp4_gemm",
+    "hadamard16_ref",
+    "quantize_nvfp4_ref",
+    "quantize_nvfp4_rowcol_ref",
+    "dequantize_nvfp4_ref",
+    "nvfp4_gemm_ref",
+    "nvfp4_alpha",
+    "transpose_nvfp4_ref",
+]
+
+
+def _wrap(codes, scales_u8, amax, block_2d) -> NVFP4Tensor:
+    return NVFP4Tensor(codes=codes, scales=scales_u8.view(torch.float8_e4m3fn), amax=amax, block_2d=block_2d)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic: bool = False,
+    seed: int = 0,
+    amax: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """Quantize a 2-D bf16/fp32 tensor to NVFP4, blocks of 16 along the last dim (16x16 tiles when
+    ``block_2d``). ``rht`` mixes each 16 consecutive elements of the last dim with the Random Hadamard
+    Transform first (pass x^T for a columnwise copy); ``stochastic`` rounds with 8 random bits per
+    element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax."""
+    check_input(x, block_2d)
+    if rht and block_2d:
+        raise ValueError("the Random Hadamard Transform is for 1x16 (Wgrad) operands, not 2-D weight tiles")
+    if not use_triton(x):
+        return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax)
+    from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
+
+    key = seed_key(seed)
+    if rht:
+        # the columnwise path of the fused kernel mixes along the first dim: feed it x^T (a view)
+        _, _, codes, scales, am = quantize_nvfp4_rowcol_triton(
+            x.t(), write_row=False, write_col=True, col_rht=True, col_stochastic=stochastic, col_key=key,
+            col_amax=amax,
+        )
+        return _wrap(codes, scales, am[1], False)
+    codes, scales, _, _, am = quantize_nvfp4_rowcol_triton(
+        x, block_2d=block_2d, row_stochastic=stochastic, row_key=key, row_amax=amax
+    )
+    return _wrap(codes, scales, am[0], block_2d)
+
+
+def quantize_nvfp4_rowcol(
+    x: torch.Tensor,
+    block_2d: bool = False,
+    col_rht: bool = False,
+    row_stochastic: bool = False,
+    col_stochastic: bool = False,
+    row_seed: int = 0,
+    col_seed: int = 0,
+    row_amax: torch.Tensor | None = None,
+    col_amax: torch.Tensor | None = None,
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
+    blocks along M, Hadamard-mixed when ``col_rht``, with its own amax). With ``block_2d`` the columnwise
+    copy is the rowwise copy transposed (the same values)."""
+    check_input(x, block_2d)
+    if not use_triton(x):
+        return quantize_nvfp4_rowcol_ref(
+            x, block_2d=block_2d, col_rht=col_rht, row_stochastic=row_stochastic,
+            col_stochastic=col_stochastic, row_seed=row_seed, col_seed=col_seed,
+            row_amax=row_amax, col_amax=col_amax,
+        )
+    if block_2d and (col_rht or col_stochastic != row_stochastic):
+        raise ValueError("2-D scaling gives one set of values for both orientations: no col_rht, "
+                         "and col_stochastic must equal row_stochastic")
+    if x.shape[0] % BLOCK != 0:
+        raise ValueError(
+            f"the columnwise NVFP4 copy has blocks of {BLOCK} along the first dim, which has "
+            f"{x.shape[0]} rows; pad the token dim to a multiple of {BLOCK}"
+        )
+    from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
+
+    rc, rs, cc, cs, am = quantize_nvfp4_rowcol_triton(
+        x, write_row=True, write_col=True, block_2d=block_2d, col_rht=col_rht,
+        row_stochastic=row_stochastic, col_stochastic=col_stochastic,
+        row_key=seed_key(row_seed), col_key=seed_key(col_seed), row_amax=row_amax, col_amax=col_amax,
+    )
+    return _wrap(rc, rs, am[0], block_2d), _wrap(cc, cs, am[1], block_2d)
+
+
+def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
+    """``q * fp32(sdec_b) * (amax / (6*448))`` as float32 [M, K] (torch ops on any device)."""
+    return dequantize_nvfp4_ref(q)
+
+
+def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """C[M, N] = alpha * A[M, K] . B[N, K]^T with both operands NVFP4 blocked along K."""
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
+    if not use_triton(a.codes):
+        return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
+    from kernels.nvfp4.gemm import nvfp4_gemm_triton
+
+    return nvfp4_gemm_triton(a, b, out_dtype=out_dtype)

@@ -1,0 +1,271 @@
+"""NVFP4 reference quantizer, dequantizer and GEMM in pure PyTorch (imports only torch).
+
+This file transcribes the arithmetic of the NVFP4 recipe (docs/recipe.md §2-3, after NVIDIA's paper and
+Transformer Engine's reference quantizer) operation by operation, in fp32, in this order:
+
+    amax   = max |x|                                   (whole tensor; of the Hadamard-mixed x when rht)
+    S_enc  = 2688 / amax;  S_enc = min(S_enc, FLT_MAX);  if amax == 0 or S_enc == 0: S_enc = 1
+    S_dec  = 1 / S_enc                                 (a true, correctly rounded division)
+    c      = S_enc * fp32(1/6)                         (one product)
+    sdec_b = e4m3_rne(min(blk_amax * c, 448))          (stored block scale; no lower clamp)
+    enc_b  = min(1 / (fp32(sdec_b) * S_dec), FLT_MAX)
+    q_i    = e2m1_round(x_i * enc_b)                   (RNE, or stochastic for gradients)
+
+Blocks are 16 consecutive elements of the LAST dim (1x16), or 16x16 tiles (``block_2d``: one scale per
+tile, stored replicated on each of the tile's 16 rows so the layout is the same [M, K/16]).
+
+Random Hadamard Transform (``rht=True``): each 16 consecutive elements of the last dim are multiplied by
+``H = diag(s) H16 / 4`` (Sylvester H16, the fixed sign vector s below) before quantizing. The product is
+computed in fp32 as ``y = x * (s/4)`` (exact) followed by the four butterfly stages of the fast
+Walsh-Hadamard transform (stride 1, 2, 4, 8; ``a+b`` and ``a-b``), then rounded to the input dtype (bf16
+input -> bf16 values, as a bf16 matmul with fp32 accumulation would give). The butterfly fixes the fp32
+summation order, so the Triton kernel reproduces it bit for bit; it equals the matmul whenever the fp32
+partial sums are exact.
+
+Non-finite policy: if any element of the tensor being quantized (after mixing) is NaN or +-Inf, ``amax`` is
+NaN, every block scale is NaN (E4M3 0x7F) and every code is 0, so dequantization and GEMMs give NaN and
+the trainer's non-finite check sees it. (A plain max would let +-Inf slip through as S_enc = 1.)
+
+Shapes: the last dim must be a multiple of 16 (and the first of 16 in 2-D mode); otherwise ValueError.
+Inputs: 2-D bf16 or fp32 tensors (non-contiguous is fine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fp4_reference import (
+    FLT_MAX,
+    e2m1_decode,
+    e2m1_round_nearest,
+    e2m1_round_stochastic,
+    pack_nibbles,
+    random_bits8,
+    round_to_dtype,
+    unpack_nibbles,
+)
+
+BLOCK = 16
+E4M3_MAX = 448.0
+FP4_MAX = 6.0
+# 6 * 448: the largest magnitude representable by E2M1 x E4M3
+FP4_E4M3_RANGE = FP4_MAX * E4M3_MAX
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass
+class NVFP4Tensor:
+    """A quantized 2-D tensor: blocks along the last dim.
+
+    codes:  uint8 [M, K // 2], element 2j in the low nibble, 2j+1 in the high nibble.
+    scales: torch.float8_e4m3fn [M, K // 16], the decode scale of each 1x16 block (replicated over the 16
+            rows of a tile in 2-D mode).
+    amax:   float32 0-d tensor, the tensor amax that sets the fp32 tensor scale (amax / (6*448)).
+    block_2d: whether the scales are per 16x16 tile.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    amax: torch.Tensor
+    block_2d: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1] * 2)
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() + 4
+
+
+def check_input(x: torch.Tensor, block_2d: bool) -> None:
+    """Validate what the quantizers accept (shared by the reference and the Triton path)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"NVFP4 quantization takes bfloat16 or float32 input, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(
+            f"NVFP4 quantization takes a 2-D [M, K] tensor, got shape {tuple(x.shape)}; "
+            "flatten leading dims first (x.reshape(-1, x.shape[-1]))"
+        )
+    m, k = x.shape
+    if k % BLOCK != 0:
+        raise ValueError(
+            f"NVFP4 blocks are {BLOCK} elements along the last dim, but it has {k} elements "
+            f"(shape {tuple(x.shape)}); pad the last dim to a multiple of {BLOCK}"
+        )
+    if block_2d and m % BLOCK != 0:
+        raise ValueError(
+            f"2-D NVFP4 scaling uses {BLOCK}x{BLOCK} tiles, but the first dim has {m} rows "
+            f"(shape {tuple(x.shape)}); pad it to a multiple of {BLOCK}"
+        )
+
+
+def hadamard16_ref(x: torch.Tensor) -> torch.Tensor:
+    """Random Hadamard Transform of each 16 consecutive elements of the last dim; returns fp32 values
+    rounded to ``x.dtype`` (see the module docstring for the exact order of operations)."""
+    if x.shape[-1] % BLOCK != 0:
+        raise ValueError(f"the Hadamard transform mixes groups of {BLOCK}; last dim is {x.shape[-1]}")
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device) * 0.25
+    y = x.to(torch.float32).reshape(-1, BLOCK) * signs
+    for h in (1, 2, 4, 8):
+        y = y.view(-1, BLOCK // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+    y = y.reshape(x.shape)
+    return round_to_dtype(y, x.dtype)
+
+
+def hadamard16_matrix() -> torch.Tensor:
+    """``diag(s) @ H16 / 4`` as an fp32 [16, 16] matrix (x_row @ this == the transform)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < BLOCK:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return torch.diag(torch.tensor(RHT_SIGNS, dtype=torch.float32)) @ h / 4
+
+
+def nonfinite_amax(x32: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor; NaN if any element is NaN or +-Inf (the non-finite policy)."""
+    if x32.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x32.device)
+    amax = x32.abs().amax()
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+
+
+def tensor_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_enc, S_dec) of RECIPE §2 from the tensor amax (fp32 0-d tensors)."""
+    s_enc = torch.tensor(FP4_E4M3_RANGE, dtype=torch.float32, device=amax.device) / amax
+    s_enc = torch.minimum(s_enc, torch.tensor(FLT_MAX, device=amax.device))
+    s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+    s_dec = 1.0 / s_enc
+    return s_enc, s_dec
+
+
+def e4m3_rne(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values in [-448, 448] (or NaN) -> float8_e4m3fn, round-to-nearest-even (subnormals kept)."""
+    return v.to(torch.float8_e4m3fn)
+
+
+def quantize_nvfp4_ref(
+    x: torch.Tensor,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic: bool = False,
+    seed: int = 0,
+    amax: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """Quantize a 2-D tensor to NVFP4 with blocks along the last dim.
+
+    ``amax``: optional precomputed tensor amax (of the mixed values when ``rht``); it must equal what this
+    function would compute for the result to be the recipe's.
+    """
+    check_input(x, block_2d)
+    if rht and block_2d:
+        raise ValueError("the Random Hadamard Transform is for 1x16 (Wgrad) operands, not 2-D weight tiles")
+    m, k = x.shape
+    x32 = (hadamard16_ref(x) if rht else x.to(torch.float32)).contiguous()
+    if amax is None:
+        amax = nonfinite_amax(x32)
+    amax = amax.to(torch.float32).reshape(())
+    s_enc, s_dec = tensor_scales(amax)
+    c = s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
+
+    blocks = x32.view(m, k // BLOCK, BLOCK)
+    if block_2d:
+        tiles = x32.view(m // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax(dim=(1, 3))
+        blk_amax = tiles.repeat_interleave(BLOCK, dim=0)
+    else:
+        blk_amax = blocks.abs().amax(dim=-1)
+    sdec = e4m3_rne(torch.clamp(blk_amax * c, max=E4M3_MAX))  # clamp keeps NaN
+    enc = 1.0 / (sdec.to(torch.float32) * s_dec)
+    enc = torch.clamp(enc, max=FLT_MAX)
+    v = blocks * enc.unsqueeze(-1)
+    v = v.view(m, k)
+    if stochastic:
+        codes = e2m1_round_stochastic(v, random_bits8(m, k, seed, device=x.device))
+    else:
+        codes = e2m1_round_nearest(v)
+    return NVFP4Tensor(codes=pack_nibbles(codes), scales=sdec, amax=amax, block_2d=block_2d)
+
+
+def dequantize_nvfp4_ref(q: NVFP4Tensor) -> torch.Tensor:
+    """``q * fp32(sdec_b) * (amax / (6*448))`` as float32 [M, K]."""
+    m, k = q.shape
+    vals = e2m1_decode(unpack_nibbles(q.codes)).view(m, k // BLOCK, BLOCK)
+    t = q.amax.to(torch.float32) / FP4_E4M3_RANGE
+    out = vals * q.scales.to(torch.float32).unsqueeze(-1) * t
+    return out.view(m, k)
+
+
+def transpose_nvfp4_ref(q: NVFP4Tensor) -> NVFP4Tensor:
+    """The same quantized values, transposed ([K, M], blocks along M). Only for 2-D (16x16) scaling, where
+    each tile's scale serves both orientations: W in Fprop and W^T in Dgrad are bitwise the same values."""
+    if not q.block_2d:
+        raise ValueError("only 2-D (16x16) scaled tensors can be transposed without requantizing")
+    m, k = q.shape
+    codes = pack_nibbles(unpack_nibbles(q.codes).t())
+    tile = q.scales[::BLOCK, :]  # [M/16, K/16]
+    scales = tile.t().contiguous().repeat_interleave(BLOCK, dim=0)  # [K, M/16]
+    return NVFP4Tensor(codes=codes.contiguous(), scales=scales, amax=q.amax, block_2d=True)
+
+
+def quantize_nvfp4_rowcol_ref(
+    x: torch.Tensor,
+    block_2d: bool = False,
+    col_rht: bool = False,
+    row_stochastic: bool = False,
+    col_stochastic: bool = False,
+    row_seed: int = 0,
+    col_seed: int = 0,
+    row_amax: torch.Tensor | None = None,
+    col_amax: torch.Tensor | None = None,
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """The two copies a linear layer needs from one [M, K] tensor: the rowwise copy (blocks along K) and
+    the columnwise copy of x^T ([K, M], blocks along M; Hadamard-mixed when ``col_rht``, its own amax).
+    In 2-D mode the columnwise copy is the rowwise copy transposed (same values, same amax)."""
+    row = quantize_nvfp4_ref(x, block_2d=block_2d, stochastic=row_stochastic, seed=row_seed, amax=row_amax)
+    if block_2d:
+        if col_rht or col_stochastic != row_stochastic:
+            raise ValueError("2-D scaling gives one set of values for both orientations: no col_rht, "
+                             "and col_stochastic must equal row_stochastic")
+        return row, transpose_nvfp4_ref(row)
+    if x.shape[0] % BLOCK != 0:
+        raise ValueError(
+            f"the columnwise NVFP4 copy has blocks of {BLOCK} along the first dim, which has "
+            f"{x.shape[0]} rows; pad the token dim to a multiple of {BLOCK}"
+        )
+    col = quantize_nvfp4_ref(x.t(), rht=col_rht, stochastic=col_stochastic, seed=col_seed, amax=col_amax)
+    return row, col
+
+
+def nvfp4_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
+    """The GEMM epilogue factor ``(amax_a / 2688) * (amax_b / 2688)`` (fp32), the product of the two
+    tensor decode scales used by dequantization."""
+    return (amax_a.to(torch.float32) / FP4_E4M3_RANGE) * (amax_b.to(torch.float32) / FP4_E4M3_RANGE)
+
+
+def nvfp4_gemm_ref(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``C = alpha * (A_blocks @ B_blocks^T)``: A [M, K], B [N, K], both blocked along K.
+
+    Each operand is dequantized without its tensor scale (``q * sdec_b``: exact in bf16 and fp32), the
+    products are summed in float64 (the Triton kernel sums in fp32 in its own order; on inputs whose
+    partial sums are exact the two agree bitwise), the sum is rounded to fp32, multiplied by ``alpha`` in
+    fp32 and rounded to ``out_dtype``.
+    """
+    (m, k), (n, k2) = a.shape, b.shape
+    if k != k2:
+        raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
+    da = _blockwise_values(a).to(torch.float64)
+    db = _blockwise_values(b).to(torch.float64)
+    acc = (da @ db.t()).to(torch.float32)
+    return (acc * nvfp4_alpha(a.amax, b.amax)).to(out_dtype)
+
+
+def _blockwise_values(q: NVFP4Tensor) -> torch.Tensor:
+    """``q * fp32(sdec_b)`` as fp32 [M, K] (no tensor scale)."""
+    m, k = q.shape
+    vals = e2m1_decode(unpack_nibbles(q.codes)).view(m, k // BLOCK, BLOCK)
+    return (vals * q.scales.to(torch.float32).unsqueeze(-1)).view(m, k)
