@@ -20,6 +20,24 @@ def u32(x):
 
 
 @triton.jit
+def load_as_f32(ptrs, mask, IS_BF16: tl.constexpr):
+    """Load fp32, or bf16 passed as raw int16 bits, as fp32. bf16 goes through its bits (``bits << 16``):
+    exact for every value, subnormals included (the CPU interpreter's own bf16 conversion is not)."""
+    if IS_BF16:
+        raw = tl.load(ptrs, mask=mask, other=0)
+        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+def as_kernel_input(x):
+    """The tensor to hand to a kernel that loads with ``load_as_f32``: bf16 as its int16 bits."""
+    import torch
+
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+@triton.jit
 def mix32(x):
     """lowbias32 on uint32 (wrapping multiplies)."""
     x = x ^ (x >> 16)

@@ -27,8 +27,10 @@ import triton.language as tl
 from kernels.fp4_triton import (
     e2m1_round_nearest,
     e2m1_round_stochastic,
+    as_kernel_input,
     e4m3_rne_pos,
     hadamard16,
+    load_as_f32,
     pack_pairs,
     random_bits8,
     round_to_bf16,
@@ -81,7 +83,7 @@ def _amax_kernel(
     rm = m0 + tl.arange(0, BM)
     rk = k0 + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask=mask, other=0.0).to(tl.float32)
+    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, ROUND_BF16)
     tl.atomic_max(amax_ptr, _abs_max_inf(x))
     if DO_COL_RHT:
         xt = _rht_cols(tl.trans(x), BK, BM, ROUND_BF16)
@@ -130,7 +132,7 @@ def _quantize_kernel(
     rm = m0 + tl.arange(0, BM)
     rk = k0 + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask=mask, other=0.0).to(tl.float32)
+    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, ROUND_BF16)
 
     row_s_enc, row_s_dec, row_c, row_amax = _tensor_scales(tl.load(amax_ptr))
     if pid == 0:
@@ -218,6 +220,8 @@ def quantize_nvfp4_rowcol_triton(
     """
     M, K = x.shape
     dev = x.device
+    is_bf16 = x.dtype == torch.bfloat16
+    x = as_kernel_input(x)
     need_col_amax = write_col and not block_2d
     amax_in = torch.zeros(2, dtype=torch.float32, device=dev)
     have_row = row_amax is not None
@@ -233,7 +237,7 @@ def quantize_nvfp4_rowcol_triton(
             scratch = torch.zeros(2, dtype=torch.float32, device=dev)
             _amax_kernel[_grid(M, K, block_m, block_k)](
                 x, scratch, M, K, x.stride(0), x.stride(1),
-                DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=x.dtype == torch.bfloat16,
+                DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=is_bf16,
                 BM=block_m, BK=block_k, **launch_opts,
             )
             if not have_row:
@@ -243,7 +247,7 @@ def quantize_nvfp4_rowcol_triton(
         else:
             _amax_kernel[_grid(M, K, block_m, block_k)](
                 x, amax_in, M, K, x.stride(0), x.stride(1),
-                DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=x.dtype == torch.bfloat16,
+                DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=is_bf16,
                 BM=block_m, BK=block_k, **launch_opts,
             )
         if need_col_amax and not col_rht and col_amax is None:
@@ -260,7 +264,7 @@ def quantize_nvfp4_rowcol_triton(
         col_codes if write_col else dummy, col_scales if write_col else dummy, amax_out,
         M, K, x.stride(0), x.stride(1), row_key, col_key,
         WRITE_ROW=write_row, WRITE_COL=write_col, BLOCK_2D=block_2d, COL_RHT=col_rht,
-        ROW_SR=row_stochastic, COL_SR=col_stochastic, ROUND_BF16=x.dtype == torch.bfloat16,
+        ROW_SR=row_stochastic, COL_SR=col_stochastic, ROUND_BF16=is_bf16,
         REVERSE=True, BM=block_m, BK=block_k, **launch_opts,
     )
     if write_col and block_2d:
