@@ -25,6 +25,7 @@ from kernels.nvfp4.reference import (
     dequantize_nvfp4_ref,
     hadamard16_ref,
     nvfp4_alpha,
+    nvfp4_amax_ref,
     nvfp4_gemm_ref,
     quantize_nvfp4_ref,
     quantize_nvfp4_rowcol_ref,
@@ -43,6 +44,8 @@ __all__ = [
     "dequantize_nvfp4_ref",
     "nvfp4_gemm_ref",
     "nvfp4_alpha",
+    "nvfp4_amax",
+    "nvfp4_amax_ref",
     "transpose_nvfp4_ref",
 ]
 
@@ -121,6 +124,20 @@ def quantize_nvfp4_rowcol(
         row_key=seed_key(row_seed), col_key=seed_key(col_seed), row_amax=row_amax, col_amax=col_amax,
     )
     return _wrap(rc, rs, am[0], block_2d), _wrap(cc, cs, am[1], block_2d)
+
+
+def nvfp4_amax(x: torch.Tensor, col_rht: bool = False) -> torch.Tensor:
+    """float32 [2] on x's device: the raw amax of x and of its columnwise copy (of RHT(x^T) when
+    ``col_rht``), non-finite elements counted as +Inf. All-reduce it with MAX over a tensor-parallel group
+    and pass the entries as ``row_amax`` / ``col_amax`` so quantization does not depend on the TP size."""
+    check_input(x, False)
+    if col_rht and x.shape[0] % BLOCK != 0:
+        raise ValueError(f"the Hadamard transform mixes {BLOCK} rows; x has {x.shape[0]}")
+    if not use_triton(x):
+        return nvfp4_amax_ref(x, col_rht)
+    from kernels.nvfp4.quantize import amax_triton
+
+    return amax_triton(x, col_rht)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:

@@ -196,6 +196,20 @@ def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
     return (triton.cdiv(M, BM) * triton.cdiv(K, BK),)
 
 
+def amax_triton(x: torch.Tensor, col_rht: bool, block_m: int = 64, block_k: int = 64) -> torch.Tensor:
+    """float32 [2]: raw amax of x (non-finite as +Inf) and of RHT(x^T) (or x^T)."""
+    M, K = x.shape
+    is_bf16 = x.dtype == torch.bfloat16
+    out = torch.zeros(2, dtype=torch.float32, device=x.device)
+    _amax_kernel[_grid(M, K, block_m, block_k)](
+        as_kernel_input(x), out, M, K, x.stride(0), x.stride(1),
+        DO_COL_RHT=col_rht, ROUND_BF16=is_bf16, BM=block_m, BK=block_k, num_warps=4, enable_fp_fusion=False,
+    )
+    if not col_rht:
+        out[1] = out[0]
+    return out
+
+
 def quantize_nvfp4_rowcol_triton(
     x: torch.Tensor,
     *,

@@ -127,6 +127,22 @@ def hadamard16_matrix() -> torch.Tensor:
     return torch.diag(torch.tensor(RHT_SIGNS, dtype=torch.float32)) @ h / 4
 
 
+def raw_amax(x32: torch.Tensor) -> torch.Tensor:
+    """max |x| with NaN and +-Inf counted as +Inf: the form that can be all-reduced with MAX across ranks
+    (the quantizers turn +Inf into the NaN amax of the non-finite policy)."""
+    if x32.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x32.device)
+    a = x32.abs().amax().to(torch.float32)
+    return torch.where(torch.isfinite(a), a, torch.full_like(a, float("inf")))
+
+
+def nvfp4_amax_ref(x: torch.Tensor, col_rht: bool = False) -> torch.Tensor:
+    """float32 [2]: the raw amax of x and of the columnwise copy (RHT(x^T) when ``col_rht``, else x^T)."""
+    x32 = x.to(torch.float32)
+    col = raw_amax(hadamard16_ref(x.t())) if col_rht else raw_amax(x32)
+    return torch.stack((raw_amax(x32), col))
+
+
 def nonfinite_amax(x32: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 0-d tensor; NaN if any element is NaN or +-Inf (the non-finite policy)."""
     if x32.numel() == 0:
@@ -170,6 +186,8 @@ def quantize_nvfp4_ref(
     if amax is None:
         amax = nonfinite_amax(x32)
     amax = amax.to(torch.float32).reshape(())
+    # a supplied amax may carry a non-finite input as +Inf (what an all-reduced raw amax holds)
+    amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)
     s_enc, s_dec = tensor_scales(amax)
     c = s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
 

@@ -126,3 +126,18 @@ def test_errors_name_the_problem(triton_device):
         quantize_nvfp4(torch.randn(16, 40, device=triton_device))
     with pytest.raises(ValueError, match="token dim"):
         quantize_nvfp4_rowcol(torch.randn(24, 32, device=triton_device))
+
+
+def test_amax_and_supplied_raw_amax(triton_device, gen):
+    from kernels.nvfp4 import nvfp4_amax, nvfp4_amax_ref
+
+    for x in [torch.randn(32, 48, generator=gen).bfloat16(), *nonfinite_tensors(gen)]:
+        for col_rht in (False, True):
+            got = nvfp4_amax(x.to(triton_device), col_rht)
+            ref = nvfp4_amax_ref(x, col_rht)
+            assert torch.equal(got.cpu(), ref)
+            # quantizing with the raw amax supplied equals quantizing without it (Inf -> NaN policy)
+            row, col = quantize_nvfp4_rowcol(x.to(triton_device), col_rht=col_rht, row_amax=got[0], col_amax=got[1])
+            rrow, rcol = quantize_nvfp4_rowcol_ref(x, col_rht=col_rht)
+            assert_same(row, rrow)
+            assert_same(col, rcol)
