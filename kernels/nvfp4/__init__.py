@@ -67,13 +67,15 @@ def quantize_nvfp4(
     Transform first (pass x^T for a columnwise copy); ``stochastic`` rounds with 8 random bits per
     element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax."""
     check_input(x, block_2d)
-    if rht and block_2d:
-        raise ValueError("the Random Hadamard Transform is for 1x16 (Wgrad) operands, not 2-D weight tiles")
     if not use_triton(x):
         return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax)
     from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
 
     key = seed_key(seed)
+    if rht and block_2d:
+        # an ablation only (RHT on the weight of every GEMM): mix with torch ops, then 2-D tiles
+        x = hadamard16_ref(x).to(x.dtype)
+        rht = False
     if rht:
         # the columnwise path of the fused kernel mixes along the first dim: feed it x^T (a view)
         _, _, codes, scales, am = quantize_nvfp4_rowcol_triton(

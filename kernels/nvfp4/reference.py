@@ -179,8 +179,6 @@ def quantize_nvfp4_ref(
     function would compute for the result to be the recipe's.
     """
     check_input(x, block_2d)
-    if rht and block_2d:
-        raise ValueError("the Random Hadamard Transform is for 1x16 (Wgrad) operands, not 2-D weight tiles")
     m, k = x.shape
     x32 = (hadamard16_ref(x) if rht else x.to(torch.float32)).contiguous()
     if amax is None:

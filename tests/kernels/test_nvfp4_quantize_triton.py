@@ -38,6 +38,7 @@ MODES = [
     dict(stochastic=True, seed=2**31 + 12345),
     dict(rht=True, stochastic=True, seed=77),
     dict(block_2d=True, stochastic=True, seed=3),
+    dict(block_2d=True, rht=True),  # the "RHT on every GEMM" ablation's weight
 ]
 
 

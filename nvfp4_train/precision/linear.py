@@ -1,0 +1,120 @@
+"""The quantized linear layer: ONE autograd Function for the three GEMMs of ``y = x Wᵀ`` (RECIPE §3).
+
+    fprop   y  [M,N] = x  · Wᵀ       A = x rowwise,        B = W rowwise
+    dgrad   dx [M,K] = dy · W        A = dy rowwise,       B = Wᵀ (W columnwise)
+    wgrad   dW [N,K] = dyᵀ · x       A = dyᵀ (dy columnwise), B = xᵀ (x columnwise)
+
+Each operand is cast as the recipe says (``QuantRecipe``: format, block, rounding, Hadamard per operand per
+GEMM). The forward pass casts x into BOTH its copies in one fused pass (fprop's rowwise copy, and wgrad's
+columnwise copy, Hadamard-mixed) and saves only the quantized wgrad copy of x and the quantized dgrad copy
+of W for backward: packed 4-bit codes, scales and amax, never a bf16 copy (unless that GEMM runs in bf16).
+
+The weight's two copies (fprop's W, dgrad's Wᵀ) are computed once per optimizer step: ``WeightCache``
+keys them on the parameter's version counter, which changes exactly when the optimizer writes the weight, so
+micro-batches of one step reuse them. With 2-D tiles the two copies are the same values.
+
+Seeds for stochastic rounding come from the caller (a per-layer counter), so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nvfp4_train.precision.operand import Operand, cast_pair, operand_nbytes, qgemm
+from nvfp4_train.precision.recipe import QuantRecipe
+
+__all__ = ["QuantLinearFunction", "quantized_linear", "WeightCache", "LinearContext"]
+
+
+@dataclass
+class WeightCache:
+    """The quantized copies of one weight, valid while the weight's version counter is unchanged."""
+
+    key: tuple | None = None
+    row: Operand | None = None
+    col: Operand | None = None
+
+    def get(self, weight: torch.Tensor, recipe: QuantRecipe, seed: int, amax_group) -> tuple[Operand, Operand]:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), recipe)
+        if key != self.key:
+            self.row, self.col = cast_pair(weight.detach(), recipe.fprop.b, recipe.dgrad.b, seed, amax_group)
+            self.key = key
+        return self.row, self.col
+
+    def clear(self) -> None:
+        self.key = self.row = self.col = None
+
+
+@dataclass
+class LinearContext:
+    """Per-layer state the Function needs besides tensors: the recipe, the SR seed counter, the TP group
+    whose amaxes are all-reduced, the weight cache and telemetry hooks."""
+
+    recipe: QuantRecipe
+    seed: int = 0
+    amax_group: dist.ProcessGroup | None = None
+    weight_cache: WeightCache = field(default_factory=WeightCache)
+    calls: int = 0
+    saved_bytes: int = 0  # bytes saved for backward by the last forward (for memory accounting)
+
+    def next_seed(self) -> int:
+        self.calls += 1
+        return (self.seed * 1_000_003 + self.calls * 7_919) & 0xFFFFFFFF
+
+
+class QuantLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext):
+        recipe = lctx.recipe
+        x2 = x.reshape(-1, x.shape[-1])
+        seed = lctx.next_seed()
+        w_row, w_col = lctx.weight_cache.get(weight, recipe, seed, lctx.amax_group)
+        need_col_x = weight.requires_grad
+        x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, seed + 2,
+                                 lctx.amax_group)
+        y = qgemm(x_row, w_row, out_dtype=x.dtype)
+        if bias is not None:
+            y = y + bias
+        ctx.lctx = lctx
+        ctx.seed = seed
+        ctx.x_shape = x.shape
+        ctx.has_bias = bias is not None
+        # save only what backward needs: the quantized wgrad copy of x and the dgrad copy of W
+        ctx.x_col = x_col
+        ctx.w_col = w_col
+        ctx.weight_dtype = weight.dtype
+        lctx.saved_bytes = operand_nbytes(x_col)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        recipe: QuantRecipe = ctx.lctx.recipe
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = ctx.needs_input_grad[1]
+        dy_row, dy_col = cast_pair(
+            dy2, recipe.dgrad.a if need_dx else None, recipe.wgrad.a if need_dw else None,
+            ctx.seed + 4, ctx.lctx.amax_group,
+        )
+        dx = dw = db = None
+        if need_dx:
+            dx = qgemm(dy_row, ctx.w_col, out_dtype=dy.dtype).view(ctx.x_shape)
+        if need_dw:
+            dw = qgemm(dy_col, ctx.x_col, out_dtype=ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        ctx.x_col = ctx.w_col = None
+        return dx, dw, db, None
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext
+) -> torch.Tensor:
+    """``y = x Wᵀ (+ b)`` under ``lctx.recipe``; an all-bf16 recipe is exactly ``F.linear``."""
+    if lctx.recipe.is_bf16:
+        return F.linear(x, weight, bias)
+    return QuantLinearFunction.apply(x, weight, bias, lctx)

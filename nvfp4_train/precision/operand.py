@@ -1,0 +1,151 @@
+"""Casting a tensor into the two GEMM operands a linear layer needs from it, and running a GEMM on them.
+
+Every tensor of a linear layer (x [M,K], W [N,K], dy [M,N]) feeds two GEMMs: once "rowwise" (reduction along
+its last dim) and once "columnwise" (its transpose, reduction along its first dim):
+
+    tensor   rowwise operand           columnwise operand
+    x        fprop A   (x [M,K])       wgrad B  (xᵀ [K,M])
+    W        fprop B   (W [N,K])       dgrad B  (Wᵀ [K,N])
+    dy       dgrad A   (dy [M,N])      wgrad A  (dyᵀ [N,M])
+
+``cast_pair`` produces both copies with one fused kernel launch where the two casts allow it (NVFP4 1x16
+with the columnwise copy Hadamard-mixed; NVFP4 16x16 tiles, whose transposed copy is the same values) and
+falls back to two casts otherwise. ``qgemm(a, b)`` computes ``C = A · Bᵀ`` for two operands of one format.
+
+Tensor-parallel amax: pass ``amax_group`` to all-reduce the NVFP4 amaxes with MAX before quantizing, so a
+TP-sharded tensor gets the scales it would have unsharded (RECIPE §3: the per-tensor scale is a property of
+the whole tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nvfp4_train.precision.recipe import OperandCast
+
+__all__ = ["Operand", "cast_pair", "cast_one", "qgemm", "operand_nbytes"]
+
+
+@dataclass
+class Operand:
+    """One GEMM operand: ``data`` is a bf16 tensor (format bf16) or a quantized container."""
+
+    format: str
+    data: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        d = self.data
+        return tuple(d.shape)
+
+
+def _seed(seed: int, k: int) -> int:
+    return (seed * 2 + k) & 0xFFFFFFFF
+
+
+def _is_nvfp4_1d(c: OperandCast) -> bool:
+    return c.format == "nvfp4" and c.block == (1, 16)
+
+
+def _hadamard(t: torch.Tensor) -> torch.Tensor:
+    from kernels.nvfp4.reference import hadamard16_ref
+
+    return hadamard16_ref(t).to(t.dtype)
+
+
+def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.ProcessGroup | None = None) -> Operand:
+    """Cast a 2-D tensor (reduction along its last dim) to one operand."""
+    sr = cast.rounding == "stochastic"
+    if cast.format == "bf16":
+        return Operand("bf16", t)
+    if cast.format == "nvfp4":
+        from kernels.nvfp4 import nvfp4_amax, quantize_nvfp4
+
+        amax = None
+        if amax_group is not None:
+            # the amax of what gets quantized: RHT(t) along its last dim is the columnwise copy of t^T
+            amax = nvfp4_amax(t.t(), col_rht=True)[1] if cast.hadamard else nvfp4_amax(t)[0]
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        return Operand("nvfp4", quantize_nvfp4(t, block_2d=cast.block == (16, 16), rht=cast.hadamard,
+                                               stochastic=sr, seed=seed, amax=amax))
+    if cast.format == "mxfp4":
+        from kernels.mxfp4 import quantize_mxfp4
+
+        src = _hadamard(t) if cast.hadamard else t
+        kwargs = {"block_2d": True} if cast.block == (32, 32) else {}
+        return Operand("mxfp4", quantize_mxfp4(src, stochastic=sr, seed=seed, **kwargs))
+    if cast.format == "fp8_e4m3":
+        from kernels.fp8 import quantize_fp8
+
+        return Operand("fp8_e4m3", quantize_fp8(t, block=cast.block, amax_group=amax_group))
+    raise ValueError(f"unknown operand format {cast.format!r}")
+
+
+def cast_pair(
+    t: torch.Tensor,
+    row: OperandCast | None,
+    col: OperandCast | None,
+    seed: int,
+    amax_group: dist.ProcessGroup | None = None,
+) -> tuple[Operand | None, Operand | None]:
+    """The rowwise operand of ``t`` [R, C] (reduction along C) and the columnwise one (of ``tᵀ``).
+
+    ``None`` for a cast skips that copy.
+    """
+    if row is not None and col is not None and row.format == col.format == "nvfp4":
+        fused = None
+        if _is_nvfp4_1d(row) and _is_nvfp4_1d(col) and not row.hadamard and t.shape[0] % 16 == 0:
+            fused = dict(block_2d=False, col_rht=col.hadamard)
+        elif row.block == col.block == (16, 16) and not row.hadamard and not col.hadamard and row.rounding == col.rounding:
+            fused = dict(block_2d=True, col_rht=False)
+        if fused is not None:
+            from kernels.nvfp4 import nvfp4_amax, quantize_nvfp4_rowcol
+
+            row_amax = col_amax = None
+            if amax_group is not None:
+                am = nvfp4_amax(t, col_rht=fused["col_rht"])
+                dist.all_reduce(am, op=dist.ReduceOp.MAX, group=amax_group)
+                row_amax, col_amax = am[0], am[1]
+            r, c = quantize_nvfp4_rowcol(
+                t, row_stochastic=row.rounding == "stochastic", col_stochastic=col.rounding == "stochastic",
+                row_seed=_seed(seed, 0), col_seed=_seed(seed, 1), row_amax=row_amax,
+                col_amax=None if fused["block_2d"] else col_amax, **fused,
+            )
+            return Operand("nvfp4", r), Operand("nvfp4", c)
+    r = cast_one(t, row, _seed(seed, 0), amax_group) if row is not None else None
+    c = cast_one(t.t(), col, _seed(seed, 1), amax_group) if col is not None else None
+    return r, c
+
+
+def qgemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """``C = A · Bᵀ`` for two operands of the same format (fp32 accumulation), as ``out_dtype``."""
+    if a.format != b.format:
+        raise ValueError(f"GEMM operands must share a format, got {a.format} and {b.format}")
+    if a.format == "bf16":
+        return torch.matmul(a.data, b.data.t()).to(out_dtype)
+    if a.format == "nvfp4":
+        from kernels.nvfp4 import nvfp4_gemm
+
+        return nvfp4_gemm(a.data, b.data, out_dtype=out_dtype)
+    if a.format == "mxfp4":
+        from kernels.mxfp4 import mxfp4_gemm
+
+        return mxfp4_gemm(a.data, b.data, out_dtype=out_dtype)
+    if a.format == "fp8_e4m3":
+        from kernels.fp8 import fp8_gemm
+
+        return fp8_gemm(a.data, b.data, out_dtype=out_dtype)
+    raise ValueError(f"unknown operand format {a.format!r}")
+
+
+def operand_nbytes(op: Operand | None) -> int:
+    """Bytes held by an operand (for the memory accounting of saved activations)."""
+    if op is None:
+        return 0
+    if op.format == "bf16":
+        return op.data.numel() * op.data.element_size()
+    return sum(v.numel() * v.element_size() for v in vars(op.data).values() if isinstance(v, torch.Tensor))
