@@ -1,0 +1,42 @@
+"""The ``precision`` config section (Hydra schema) and its conversion to a :class:`LayerPrecisionMap`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from nvfp4_train.precision.layer_map import LayerPrecisionMap, PrecisionRule, PrecisionSwitch
+from nvfp4_train.precision.recipe import Ablations
+
+__all__ = ["PrecisionConfig"]
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Which recipe the linear layers run (``configs/precision/*.yaml``)."""
+
+    recipe: str = MISSING
+    """Named recipe of the run: ``bf16``, ``fp8``, ``fp8_tensorwise``, ``nvfp4``, ``mxfp4``."""
+    keep_first: int | None = None
+    """Blocks at the start kept in bf16. None: the recipe's 62-block setting scaled to the depth, rounded up."""
+    keep_last: int | None = None
+    """Blocks at the end kept in bf16. None: as keep_first (nvfp4: 8 of 62; fp8: 2 of 62)."""
+    rules: list[PrecisionRule] = field(default_factory=list)
+    """Explicit rules (blocks and/or role globs -> recipe), applied in order after the keep counts."""
+    ablations: Ablations = field(default_factory=Ablations)
+    """The paper's ablations, switches on an fp4 recipe (all off = the paper's recipe)."""
+    switch: PrecisionSwitch = field(default_factory=PrecisionSwitch)
+    """Switch to bf16 (forward only, or everything) for the rest of the run (off unless a step is given)."""
+
+    def layer_map(self, pattern: str) -> LayerPrecisionMap:
+        """The resolved layer precision map for the hybrid ``pattern`` (raises on rules that match nothing)."""
+        return LayerPrecisionMap(
+            pattern,
+            self.recipe,
+            ablations=self.ablations,
+            keep_first=self.keep_first,
+            keep_last=self.keep_last,
+            rules=self.rules,
+            switch=self.switch,
+        )
