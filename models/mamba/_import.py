@@ -1,0 +1,125 @@
+"""Optional imports of mamba-ssm's Triton kernels and causal-conv1d's CUDA kernel.
+
+Both packages are optional (the ``gpu`` extra). Each loader returns ``(ops, reason)``: ``ops`` is a small
+frozen record of the functions we call, or ``None`` with ``reason`` saying why, so that callers fall back
+to the pure-PyTorch paths in :mod:`models.mamba.ssd` and :mod:`models.mamba.ops`.
+
+mamba-ssm built as a pure-Python wheel (``MAMBA_SKIP_CUDA_BUILD=TRUE``, how ``scripts/wheelhouse.sh`` builds
+it) lacks its Mamba-1 CUDA extension ``selective_scan_cuda``, yet the package ``__init__`` imports that
+module unconditionally (and also ``transformers``, ``huggingface_hub`` and the Mamba-3 modules), and every
+``import mamba_ssm.<submodule>`` runs that ``__init__`` first. Mamba-2 needs none of it: its forward and
+backward are the Triton kernels under ``mamba_ssm.ops.triton`` (which need only torch, triton, einops and
+packaging). So, unless ``mamba_ssm`` has already been imported by someone else, we register the package
+in ``sys.modules`` WITHOUT running its ``__init__`` (the module object comes from the package's own import
+spec, so its ``__path__`` is the real one) and import only the Triton submodules through it. No stand-in
+for ``selective_scan_cuda`` is created, so a Mamba-1 op still fails with the ordinary ImportError.
+
+The consequence, within one process: after :func:`load_mamba_ssm` has succeeded, ``import mamba_ssm`` gives
+that bare package, so ``from mamba_ssm import Mamba2`` raises ImportError (in a pure-Python install it would
+raise anyway, for ``selective_scan_cuda``). Code that wants the complete package on a full CUDA build must
+import ``mamba_ssm`` before the first call here; we then use the already-imported package as is.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+_MAMBA_PKG = "mamba_ssm"
+_MAMBA_SUBMODULES = ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated")
+# What mamba_ssm.ops.triton.* import besides torch (always here) and the package itself.
+_MAMBA_TRITON_DEPS = ("triton", "einops", "packaging")
+
+
+@dataclass(frozen=True)
+class MambaSSMOps:
+    """The mamba-ssm functions we call (signatures as in mamba-ssm 2.3.2)."""
+
+    mamba_chunk_scan_combined: Callable  # (x, dt, A, B, C, chunk_size, D=, z=, dt_bias=, ...)
+    rmsnorm_fn: Callable  # (x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True)
+    version: str
+    bare_package: bool  # True when we registered mamba_ssm without running its __init__
+
+
+@dataclass(frozen=True)
+class CausalConv1dOps:
+    """causal-conv1d's CUDA depthwise convolution."""
+
+    causal_conv1d_fn: Callable  # (x [b, d, l], weight [d, w], bias=None, ..., activation=None)
+    version: str
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _drop_modules(prefix: str) -> None:
+    for name in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
+        del sys.modules[name]
+
+
+@functools.cache
+def load_mamba_ssm() -> tuple[MambaSSMOps | None, str]:
+    """mamba-ssm's Triton SSD scan and gated RMSNorm, or ``(None, reason)`` when they cannot be imported.
+
+    Cached: the import is attempted once per process (``load_mamba_ssm.cache_clear()`` retries).
+    """
+    spec = importlib.util.find_spec(_MAMBA_PKG)
+    if spec is None:
+        return None, "mamba-ssm is not installed"
+    if spec.submodule_search_locations is None:
+        return None, f"{_MAMBA_PKG} at {spec.origin} is a module, not the mamba-ssm package"
+    missing = [d for d in _MAMBA_TRITON_DEPS if importlib.util.find_spec(d) is None]
+    if missing:
+        return None, f"mamba-ssm is installed but its Triton kernels need {', '.join(missing)} (pip install them)"
+
+    bare = sys.modules.get(_MAMBA_PKG) is None
+    if bare:
+        pkg = importlib.util.module_from_spec(spec)  # the real package object, its __init__ not executed
+        pkg.__version__ = _version("mamba-ssm")  # megatron-core's version check reads it
+        pkg.__doc__ = (
+            "mamba-ssm registered by models.mamba._import without running its __init__ (which needs the "
+            "Mamba-1 CUDA extension); only submodules such as mamba_ssm.ops.triton.* are usable."
+        )
+        sys.modules[_MAMBA_PKG] = pkg
+    try:
+        ssd = importlib.import_module(_MAMBA_SUBMODULES[0])
+        norm = importlib.import_module(_MAMBA_SUBMODULES[1])
+    except Exception as e:  # noqa: BLE001 - any failure means "use the PyTorch path", with the reason
+        if bare:
+            _drop_modules(_MAMBA_PKG)  # leave no half-imported package behind
+        return None, f"importing mamba-ssm's Triton kernels failed: {type(e).__name__}: {e}"
+    ops = MambaSSMOps(
+        mamba_chunk_scan_combined=ssd.mamba_chunk_scan_combined,
+        rmsnorm_fn=norm.rmsnorm_fn,
+        version=_version("mamba-ssm"),
+        bare_package=bare,
+    )
+    how = "without its package __init__" if bare else "through the already-imported package"
+    return ops, f"mamba-ssm {ops.version} Triton kernels imported {how}"
+
+
+@functools.cache
+def load_causal_conv1d() -> tuple[CausalConv1dOps | None, str]:
+    """causal-conv1d's CUDA kernel, or ``(None, reason)``.
+
+    ``import causal_conv1d`` imports its compiled module ``causal_conv1d_cuda`` at once, so a successful
+    import means the kernel is there (a CPU-only build fails here with ImportError).
+    """
+    if importlib.util.find_spec("causal_conv1d") is None:
+        return None, "causal-conv1d is not installed"
+    try:
+        mod = importlib.import_module("causal_conv1d")
+        fn = mod.causal_conv1d_fn
+    except Exception as e:  # noqa: BLE001
+        return None, f"causal-conv1d is installed but failed to import: {type(e).__name__}: {e}"
+    version = getattr(mod, "__version__", None) or _version("causal-conv1d")
+    return CausalConv1dOps(causal_conv1d_fn=fn, version=version), f"causal-conv1d {version} CUDA kernel"
