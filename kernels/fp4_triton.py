@@ -118,6 +118,20 @@ def e4m3_rne_pos(s):
 
 
 @triton.jit
+def e4m3_rne(v):
+    """Round fp32 ``v`` to E4M3 (float8_e4m3fn), nearest-even, saturating at +-448, subnormals kept.
+
+    Returns the byte as int32 (0..255). The sign bit is v's sign bit (-0.0 and negative values that round
+    to zero give 0x80, as torch's cast does); +-Inf saturates to +-448; NaN gives 0x7F.
+    """
+    sign = ((u32(v) >> 31) << 7).to(tl.int32)
+    m = tl.abs(v)
+    m = tl.where(m > 448.0, 448.0, m)  # NaN stays NaN
+    byte, _ = e4m3_rne_pos(m)
+    return tl.where(v != v, 0x7F, byte | sign)
+
+
+@triton.jit
 def round_to_bf16(y):
     """Round fp32 values to bf16 (nearest-even) and return them as fp32."""
     bits = u32(y)

@@ -1,0 +1,99 @@
+"""MXFP4 (OCP Microscaling v1.0): E2M1 values, 32-element blocks with E8M0 power-of-two scales, no tensor
+scale. The paper's comparison format.
+
+Public API (the same call runs the Triton kernel on CUDA tensors and on CPU under ``TRITON_INTERPRET=1``,
+the pure-PyTorch reference otherwise; both give the same bits):
+
+    q = quantize_mxfp4(x, stochastic=False, seed=0)   # blocks of 32 along the LAST dim
+    q.codes    # uint8 [M, K // 2], element 2j in the low nibble
+    q.scales   # uint8 [M, K // 32], E8M0: 2^(code - 127); 0xFF = NaN
+    row, col = quantize_mxfp4_rowcol(x, ...)           # rowwise and x^T (blocks along M), one launch
+    dequantize_mxfp4(q)                                # float32 [M, K]
+    mxfp4_gemm(a, b, out_dtype=torch.bfloat16)         # C[M, N] = A[M, K] . B[N, K]^T
+
+See ``reference.py`` for the exact arithmetic, the zero-block and the non-finite policies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._dispatch import use_triton
+from kernels.fp4_reference import seed_key
+from kernels.mxfp4.reference import (
+    BLOCK,
+    MXFP4Tensor,
+    check_col_input,
+    check_input,
+    dequantize_mxfp4_ref,
+    e8m0_to_float32,
+    mxfp4_gemm_ref,
+    quantize_mxfp4_ref,
+    quantize_mxfp4_rowcol_ref,
+)
+
+__all__ = [
+    "BLOCK",
+    "MXFP4Tensor",
+    "quantize_mxfp4",
+    "quantize_mxfp4_rowcol",
+    "dequantize_mxfp4",
+    "mxfp4_gemm",
+    "quantize_mxfp4_ref",
+    "quantize_mxfp4_rowcol_ref",
+    "dequantize_mxfp4_ref",
+    "mxfp4_gemm_ref",
+    "e8m0_to_float32",
+]
+
+
+def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int = 0) -> MXFP4Tensor:
+    """Quantize a 2-D bf16/fp32 tensor to MXFP4, blocks of 32 along the last dim; ``stochastic`` rounds
+    with 8 random bits per element from a counter-based hash keyed by ``seed``."""
+    check_input(x)
+    if not use_triton(x):
+        return quantize_mxfp4_ref(x, stochastic=stochastic, seed=seed)
+    from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
+
+    codes, scales, _, _ = quantize_mxfp4_rowcol_triton(x, row_stochastic=stochastic, row_key=seed_key(seed))
+    return MXFP4Tensor(codes=codes, scales=scales)
+
+
+def quantize_mxfp4_rowcol(
+    x: torch.Tensor,
+    row_stochastic: bool = False,
+    col_stochastic: bool = False,
+    row_seed: int = 0,
+    col_seed: int = 0,
+) -> tuple[MXFP4Tensor, MXFP4Tensor]:
+    """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
+    blocks along M). Both dims must be multiples of 32."""
+    check_input(x)
+    check_col_input(x)
+    if not use_triton(x):
+        return quantize_mxfp4_rowcol_ref(
+            x, row_stochastic=row_stochastic, col_stochastic=col_stochastic, row_seed=row_seed, col_seed=col_seed
+        )
+    from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
+
+    rc, rs, cc, cs = quantize_mxfp4_rowcol_triton(
+        x, write_row=True, write_col=True, row_stochastic=row_stochastic, col_stochastic=col_stochastic,
+        row_key=seed_key(row_seed), col_key=seed_key(col_seed),
+    )
+    return MXFP4Tensor(codes=rc, scales=rs), MXFP4Tensor(codes=cc, scales=cs)
+
+
+def dequantize_mxfp4(q: MXFP4Tensor) -> torch.Tensor:
+    """``e2m1(q) * 2^X`` as float32 [M, K] (torch ops on any device)."""
+    return dequantize_mxfp4_ref(q)
+
+
+def mxfp4_gemm(a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """C[M, N] = A[M, K] . B[N, K]^T with both operands MXFP4 blocked along K (alpha = 1)."""
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"MXFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
+    if not use_triton(a.codes):
+        return mxfp4_gemm_ref(a, b, out_dtype=out_dtype)
+    from kernels.mxfp4.gemm import mxfp4_gemm_triton
+
+    return mxfp4_gemm_triton(a, b, out_dtype=out_dtype)
