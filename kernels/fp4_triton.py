@@ -136,7 +136,8 @@ def round_to_bf16(y):
     """Round fp32 values to bf16 (nearest-even) and return them as fp32."""
     bits = u32(y)
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return r.to(tl.float32, bitcast=True)
+    # NaN stays NaN (the GPU's canonical NaN 0x7FFFFFFF would otherwise round to -0.0)
+    return tl.where(y != y, y, r.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -153,6 +153,9 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bf
         raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
     if not use_triton(a.codes):
         return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
-    from kernels.nvfp4.gemm import nvfp4_gemm_triton
+    # Two exact designs were measured in one run on the H200 (docs/benchmarks.md): dequantizing in the
+    # GEMM's registers (nvfp4_gemm_triton) ran at ~30% of cuBLAS BF16, dequantizing each operand once to a
+    # 16-bit tensor and running a pipelined 16-bit GEMM with the same alpha epilogue at ~75%: it is the default.
+    from kernels.nvfp4.gemm import nvfp4_gemm_predequant
 
-    return nvfp4_gemm_triton(a, b, out_dtype=out_dtype)
+    return nvfp4_gemm_predequant(a, b, out_dtype=out_dtype)

@@ -352,7 +352,8 @@ CANDIDATE_CONFIGS = (
     GemmConfig(64, 256, 128, 4, 3),
 )
 # the 16-bit GEMM over pre-dequantized operands (the usual Triton-on-Hopper bf16 matmul configs)
-GEMM16_LARGE_CONFIG = GemmConfig(128, 256, 64, 8, 3)
+# measured on the H200 (docs/benchmarks.md, --sweep): 675 TFLOP/s on qkv vs 568 for 128x256x64
+GEMM16_LARGE_CONFIG = GemmConfig(128, 128, 64, 8, 3)
 
 
 def default_config(M: int, N: int, K: int, *, interpret: bool | None = None) -> GemmConfig:

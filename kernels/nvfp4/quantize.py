@@ -57,14 +57,6 @@ def _rht_cols(xt, BK: tl.constexpr, BM: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def _abs_max_inf(v):
-    """max |v| over all elements with NaN/Inf counted as +Inf."""
-    a = tl.abs(v)
-    a = tl.where(a == a, a, float("inf"))
-    return tl.max(tl.max(a, axis=1), axis=0)
-
-
-@triton.jit
 def _tile_coords(pid, M, K, BM: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
     n_k = tl.cdiv(K, BK)
     n_tiles = tl.cdiv(M, BM) * n_k
@@ -78,16 +70,27 @@ def _amax_kernel(
     x_ptr, amax_ptr, M, K, stride_m, stride_k,
     DO_COL_RHT: tl.constexpr, ROUND_BF16: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
+    """Persistent: each program reduces tiles pid, pid + nprog, ... in registers and issues ONE atomic max
+    per amax (one atomic per tile serialises thousands of atomics on one address)."""
     pid = tl.program_id(0)
-    m0, k0 = _tile_coords(pid, M, K, BM, BK, False)
-    rm = m0 + tl.arange(0, BM)
-    rk = k0 + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, ROUND_BF16)
-    tl.atomic_max(amax_ptr, _abs_max_inf(x))
+    nprog = tl.num_programs(0)
+    n_tiles = tl.cdiv(M, BM) * tl.cdiv(K, BK)
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    acc_t = tl.zeros([BK, BM], dtype=tl.float32)
+    for tile in range(pid, n_tiles, nprog):
+        m0, k0 = _tile_coords(tile, M, K, BM, BK, False)
+        rm = m0 + tl.arange(0, BM)
+        rk = k0 + tl.arange(0, BK)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, ROUND_BF16)
+        a = tl.abs(x)
+        acc = tl.maximum(acc, tl.where(a == a, a, float("inf")))
+        if DO_COL_RHT:
+            xt = tl.abs(_rht_cols(tl.trans(x), BK, BM, ROUND_BF16))
+            acc_t = tl.maximum(acc_t, tl.where(xt == xt, xt, float("inf")))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
     if DO_COL_RHT:
-        xt = _rht_cols(tl.trans(x), BK, BM, ROUND_BF16)
-        tl.atomic_max(amax_ptr + 1, _abs_max_inf(xt))
+        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(acc_t, axis=1), axis=0))
 
 
 @triton.jit
@@ -196,12 +199,25 @@ def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
     return (triton.cdiv(M, BM) * triton.cdiv(K, BK),)
 
 
+_NUM_SMS: dict = {}
+
+
+def _persistent_grid(x: torch.Tensor, M: int, K: int, BM: int, BK: int) -> tuple[int]:
+    n_tiles = triton.cdiv(M, BM) * triton.cdiv(K, BK)
+    if x.is_cuda:
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if dev not in _NUM_SMS:
+            _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        return (min(n_tiles, 4 * _NUM_SMS[dev]),)
+    return (min(n_tiles, 4),)
+
+
 def amax_triton(x: torch.Tensor, col_rht: bool, block_m: int = 64, block_k: int = 64) -> torch.Tensor:
     """float32 [2]: raw amax of x (non-finite as +Inf) and of RHT(x^T) (or x^T)."""
     M, K = x.shape
     is_bf16 = x.dtype == torch.bfloat16
     out = torch.zeros(2, dtype=torch.float32, device=x.device)
-    _amax_kernel[_grid(M, K, block_m, block_k)](
+    _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
         as_kernel_input(x), out, M, K, x.stride(0), x.stride(1),
         DO_COL_RHT=col_rht, ROUND_BF16=is_bf16, BM=block_m, BK=block_k, num_warps=4, enable_fp_fusion=False,
     )
@@ -249,7 +265,7 @@ def quantize_nvfp4_rowcol_triton(
         if have_row or have_col:
             # one of the two is given: compute into a scratch buffer and keep the given one
             scratch = torch.zeros(2, dtype=torch.float32, device=dev)
-            _amax_kernel[_grid(M, K, block_m, block_k)](
+            _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
                 x, scratch, M, K, x.stride(0), x.stride(1),
                 DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=is_bf16,
                 BM=block_m, BK=block_k, **launch_opts,
@@ -259,7 +275,7 @@ def quantize_nvfp4_rowcol_triton(
             if not have_col:
                 amax_in[1] = scratch[1]
         else:
-            _amax_kernel[_grid(M, K, block_m, block_k)](
+            _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
                 x, amax_in, M, K, x.stride(0), x.stride(1),
                 DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=is_bf16,
                 BM=block_m, BK=block_k, **launch_opts,
