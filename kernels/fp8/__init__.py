@@ -4,16 +4,20 @@ for activations and gradients, 128x128 tiles for weights).
 Public API (quantizers run the Triton kernels on CUDA tensors and on CPU under ``TRITON_INTERPRET=1``, the
 pure-PyTorch reference otherwise; both give the same bits):
 
-    q = quantize_fp8(x, block=None)                   # None (per tensor), (1, 128) or (128, 128)
+    q = quantize_fp8(x, block=None, amax=None, amax_group=None)  # None (per tensor), (1, 128), (128, 128)
     q.data       # float8_e4m3fn [M, K]
     q.scale_inv  # float32 decode scale: 0-d, [M, K/128] or [M/128, K/128]
     q.block
     quantize_fp8_tensorwise(x); quantize_fp8_blockwise(x, block=(1, 128))
+    fp8_amax(x)                                        # raw tensor amax (non-finite -> +Inf), all-reducible
     row, col = quantize_fp8_rowcol(x, block=(1, 128))  # x and x^T (blocks along M), one pass
     dequantize_fp8(q)                                  # float32 [M, K]
     transpose_fp8(q)                                   # per-tensor / 128x128 only: the same values, transposed
     fp8_gemm(a, b, out_dtype=torch.bfloat16)           # C[M, N] = A[M, K] . B[N, K]^T
     fp8_gemm_backend(a, b)                             # which implementation fp8_gemm takes, by name
+
+Tensor parallelism (per-tensor scaling only; block scales are local): ``amax_group`` all-reduces the raw
+amax with MAX over that process group before quantizing, so the scale does not depend on the TP size.
 
 See ``reference.py`` for the exact arithmetic and the non-finite policy, ``gemm.py`` for the GEMM paths.
 """
@@ -27,9 +31,11 @@ from kernels.fp8.gemm import BACKENDS, blockwise_supported, fp8_gemm, fp8_gemm_b
 from kernels.fp8.reference import (
     BLOCK,
     FP8Tensor,
+    check_amax_block,
     check_col_input,
     check_input,
     dequantize_fp8_ref,
+    fp8_amax_ref,
     fp8_gemm_ref,
     quantize_fp8_blockwise_ref,
     quantize_fp8_ref,
@@ -46,6 +52,7 @@ __all__ = [
     "quantize_fp8_tensorwise",
     "quantize_fp8_blockwise",
     "quantize_fp8_rowcol",
+    "fp8_amax",
     "dequantize_fp8",
     "transpose_fp8",
     "fp8_gemm",
@@ -58,6 +65,7 @@ __all__ = [
     "dequantize_fp8_ref",
     "transpose_fp8_ref",
     "fp8_gemm_ref",
+    "fp8_amax_ref",
 ]
 
 _E4M3 = torch.float8_e4m3fn
@@ -67,14 +75,37 @@ def _wrap(data_u8: torch.Tensor, scale_inv: torch.Tensor, block) -> FP8Tensor:
     return FP8Tensor(data=data_u8.view(_E4M3), scale_inv=scale_inv, block=block)
 
 
-def quantize_fp8_tensorwise(x: torch.Tensor) -> FP8Tensor:
-    """Per-tensor current scaling of a 2-D bf16/fp32 tensor."""
-    check_input(x, None)
+def fp8_amax(x: torch.Tensor) -> torch.Tensor:
+    """The raw tensor amax, float32 0-d: max |x| with NaN/Inf counted as +Inf (MAX-all-reducible)."""
     if not use_triton(x):
-        return quantize_fp8_tensorwise_ref(x)
+        return fp8_amax_ref(x)
+    from kernels.fp8.quantize import fp8_amax_triton
+
+    return fp8_amax_triton(x).reshape(())
+
+
+def _tensor_amax(x: torch.Tensor, amax: torch.Tensor | None, amax_group) -> torch.Tensor | None:
+    """The amax per-tensor scaling uses: the given or computed raw amax, MAX-all-reduced over
+    ``amax_group`` when one is given; None (compute inside the quantizer) when neither is given."""
+    if amax_group is None:
+        return amax
+    import torch.distributed as dist
+
+    amax = (fp8_amax(x) if amax is None else amax.to(torch.float32).reshape(())).clone()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+    return amax
+
+
+def quantize_fp8_tensorwise(x: torch.Tensor, amax: torch.Tensor | None = None, amax_group=None) -> FP8Tensor:
+    """Per-tensor current scaling of a 2-D bf16/fp32 tensor (``amax``: optional precomputed raw amax;
+    ``amax_group``: a process group over which the amax is MAX-all-reduced first)."""
+    check_input(x, None)
+    amax = _tensor_amax(x, amax, amax_group)
+    if not use_triton(x):
+        return quantize_fp8_tensorwise_ref(x, amax)
     from kernels.fp8.quantize import quantize_fp8_tensorwise_triton
 
-    data, _, sinv = quantize_fp8_tensorwise_triton(x)
+    data, _, sinv = quantize_fp8_tensorwise_triton(x, amax=amax)
     return _wrap(data, sinv, None)
 
 
@@ -91,23 +122,34 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, BLOCK)) -> FP8Tensor:
     return _wrap(data, sinv, block)
 
 
-def quantize_fp8(x: torch.Tensor, block=None) -> FP8Tensor:
-    """Per tensor (``block=None``), 1x128 blocks or 128x128 tiles."""
-    return quantize_fp8_blockwise(x, block) if block is not None else quantize_fp8_tensorwise(x)
+def quantize_fp8(x: torch.Tensor, block=None, amax: torch.Tensor | None = None, amax_group=None) -> FP8Tensor:
+    """Per tensor (``block=None``), 1x128 blocks or 128x128 tiles. ``amax`` / ``amax_group`` apply to
+    per-tensor scaling (a given ``amax`` with a block shape is a ValueError; ``amax_group`` is not needed
+    by block scales, which are local, and is ignored for them)."""
+    block = check_input(x, block)
+    check_amax_block(block, amax)
+    if block is None:
+        return quantize_fp8_tensorwise(x, amax, amax_group)
+    return quantize_fp8_blockwise(x, block)
 
 
-def quantize_fp8_rowcol(x: torch.Tensor, block=(1, BLOCK)) -> tuple[FP8Tensor, FP8Tensor]:
+def quantize_fp8_rowcol(
+    x: torch.Tensor, block=(1, BLOCK), amax: torch.Tensor | None = None, amax_group=None
+) -> tuple[FP8Tensor, FP8Tensor]:
     """Both copies of x [M, K] a linear layer needs, from one read of x: the rowwise copy and the
     columnwise copy of x^T [K, M] (1x128: blocks along M; 128x128 and per tensor: the same values
-    transposed)."""
+    transposed). ``amax`` / ``amax_group`` as in ``quantize_fp8``."""
     block = check_input(x, block)
     check_col_input(x, block)
+    check_amax_block(block, amax)
+    if block is None:
+        amax = _tensor_amax(x, amax, amax_group)
     if not use_triton(x):
-        return quantize_fp8_rowcol_ref(x, block)
+        return quantize_fp8_rowcol_ref(x, block, amax)
     if block is None:
         from kernels.fp8.quantize import quantize_fp8_tensorwise_triton
 
-        data, data_t, sinv = quantize_fp8_tensorwise_triton(x, write_col=True)
+        data, data_t, sinv = quantize_fp8_tensorwise_triton(x, write_col=True, amax=amax)
         return _wrap(data, sinv, None), _wrap(data_t, sinv, None)
     from kernels.fp8.quantize import quantize_fp8_blockwise_triton
 

@@ -143,6 +143,15 @@ def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
     return (triton.cdiv(M, BM) * triton.cdiv(K, BK),)
 
 
+def quantize_scale_inv_host(amax: torch.Tensor) -> torch.Tensor:
+    """scale_inv (0-d) of an empty tensor's per-tensor quantization, with torch ops (no launch)."""
+    from kernels.fp8.reference import encode_decode_scales
+
+    a = amax.reshape(())
+    a = torch.where(torch.isfinite(a), a, torch.full_like(a, float("nan")))
+    return encode_decode_scales(a)[1]
+
+
 def quantize_fp8_blockwise_triton(
     x: torch.Tensor,
     block: tuple[int, int],
@@ -189,32 +198,44 @@ def quantize_fp8_blockwise_triton(
     return row_data, row_sinv, col_data, col_sinv
 
 
+def fp8_amax_triton(x: torch.Tensor, block_m: int = 64, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """The raw amax (float32 [1]): max |x| with NaN/Inf counted as +Inf; 0 for an empty tensor."""
+    M, K = x.shape
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if M * K:
+        _fp8_amax_kernel[_grid(M, K, block_m, block_k)](
+            as_kernel_input(x), amax, M, K, x.stride(0), x.stride(1),
+            BF16_BITS=x.dtype == torch.bfloat16, BM=block_m, BK=block_k, num_warps=num_warps, **_LAUNCH_OPTS,
+        )
+    return amax
+
+
 def quantize_fp8_tensorwise_triton(
     x: torch.Tensor,
     *,
     write_row: bool = True,
     write_col: bool = False,
+    amax: torch.Tensor | None = None,
     block_m: int = 64,
     block_k: int = 64,
     num_warps: int = 4,
 ):
-    """Amax pass + cast pass. Returns (row_data_u8, col_data_u8, scale_inv 0-d); absent copies are None."""
+    """Amax pass (skipped when ``amax`` is given: a raw amax, +Inf/NaN for non-finite) + cast pass.
+    Returns (row_data_u8, col_data_u8, scale_inv 0-d); absent copies are None."""
     M, K = x.shape
     dev = x.device
-    amax = torch.zeros(1, dtype=torch.float32, device=dev)
     sinv = torch.empty(1, dtype=torch.float32, device=dev)
     row_data = torch.empty((M, K), dtype=torch.uint8, device=dev) if write_row else None
     col_data = torch.empty((K, M), dtype=torch.uint8, device=dev) if write_col else None
+    if amax is None:
+        amax = fp8_amax_triton(x, block_m, block_k, num_warps)
+    else:
+        amax = amax.to(device=dev, dtype=torch.float32).reshape(1).clone()
     if M * K == 0:
-        sinv.fill_(1.0)
-        return row_data, col_data, sinv.reshape(())
+        return row_data, col_data, quantize_scale_inv_host(amax)
     grid = _grid(M, K, block_m, block_k)
     bf16 = x.dtype == torch.bfloat16
     xk = as_kernel_input(x)
-    _fp8_amax_kernel[grid](
-        xk, amax, M, K, x.stride(0), x.stride(1),
-        BF16_BITS=bf16, BM=block_m, BK=block_k, num_warps=num_warps, **_LAUNCH_OPTS,
-    )
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     _fp8_tensorwise_cast_kernel[grid](
         xk, amax, row_data if write_row else dummy, col_data if write_col else dummy, sinv,

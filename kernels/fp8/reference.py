@@ -26,6 +26,11 @@ Non-finite policy: a block (the tensor, for per-tensor scaling) holding any NaN 
 hence s = scale_inv = NaN, and every element of it is the E4M3 NaN 0x7F; dequantization and GEMMs give NaN
 for it (the trainer's non-finite check sees it). Other blocks are unaffected.
 
+Tensor parallelism: per-tensor scaling can take a precomputed ``amax`` (``fp8_amax`` gives the raw one,
+non-finite counted as +Inf so that a MAX all-reduce keeps it; +Inf or NaN follows the non-finite policy),
+e.g. the MAX over the tensor-parallel group, so that the result does not depend on the TP size. Blockwise
+scales are local to their block: they need nothing as long as shard boundaries fall on block boundaries.
+
 Layout (``FP8Tensor``):
     data       float8_e4m3fn [M, K]
     scale_inv  float32: 0-d (per tensor), [M, K/128] (1x128), [M/128, K/128] (128x128). Only the logical
@@ -150,14 +155,26 @@ def m_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def quantize_fp8_tensorwise_ref(x: torch.Tensor) -> FP8Tensor:
-    """Per-tensor current scaling: one fp32 scale from the tensor amax."""
-    check_input(x, None)
+def fp8_amax_ref(x: torch.Tensor) -> torch.Tensor:
+    """The raw tensor amax, float32 0-d: max |x| with NaN and +-Inf counted as +Inf (0 for an empty
+    tensor). MAX-all-reducible; the quantizers turn +Inf into the NaN of the non-finite policy."""
     x32 = x.to(torch.float32)
     if x32.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    else:
-        amax = amax_nonfinite(x32.abs().reshape(-1), 0)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    a = x32.abs()
+    return torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a).amax()
+
+
+def quantize_fp8_tensorwise_ref(x: torch.Tensor, amax: torch.Tensor | None = None) -> FP8Tensor:
+    """Per-tensor current scaling: one fp32 scale from the tensor amax (``amax``: optional precomputed raw
+    amax, e.g. all-reduced over tensor-parallel ranks; it must be what ``fp8_amax_ref`` gives for the whole
+    tensor for the result to be the recipe's)."""
+    check_input(x, None)
+    x32 = x.to(torch.float32)
+    if amax is None:
+        amax = fp8_amax_ref(x32)
+    amax = amax.to(torch.float32).reshape(())
+    amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
     s, scale_inv = encode_decode_scales(amax)
     return FP8Tensor(data=e4m3_rne(x32 * s).contiguous(), scale_inv=scale_inv, block=None)
 
@@ -180,11 +197,18 @@ def quantize_fp8_blockwise_ref(x: torch.Tensor, block=(1, BLOCK)) -> FP8Tensor:
     return FP8Tensor(data=data, scale_inv=scale_inv.contiguous(), block=block)
 
 
-def quantize_fp8_ref(x: torch.Tensor, block=None) -> FP8Tensor:
-    """Per tensor (``block=None``) or blockwise."""
+def check_amax_block(block, amax) -> None:
+    if amax is not None and block is not None:
+        raise ValueError(f"a precomputed amax is for per-tensor scaling (block=None), not {block} blocks, "
+                         "whose scales come from their own block amax")
+
+
+def quantize_fp8_ref(x: torch.Tensor, block=None, amax: torch.Tensor | None = None) -> FP8Tensor:
+    """Per tensor (``block=None``, optional precomputed ``amax``) or blockwise."""
     block = normalize_block(block)
+    check_amax_block(block, amax)
     if block is None:
-        return quantize_fp8_tensorwise_ref(x)
+        return quantize_fp8_tensorwise_ref(x, amax)
     return quantize_fp8_blockwise_ref(x, block)
 
 
@@ -199,12 +223,14 @@ def transpose_fp8_ref(q: FP8Tensor) -> FP8Tensor:
     return FP8Tensor(data=data, scale_inv=scale_inv, block=q.block)
 
 
-def quantize_fp8_rowcol_ref(x: torch.Tensor, block=(1, BLOCK)) -> tuple[FP8Tensor, FP8Tensor]:
+def quantize_fp8_rowcol_ref(
+    x: torch.Tensor, block=(1, BLOCK), amax: torch.Tensor | None = None
+) -> tuple[FP8Tensor, FP8Tensor]:
     """The rowwise copy of x [M, K] and the columnwise copy (x^T [K, M]): for 1x128 blocks, x^T quantized in
     blocks along M; for 128x128 tiles and per-tensor scaling, the rowwise copy transposed (same values)."""
     block = check_input(x, block)
     check_col_input(x, block)
-    row = quantize_fp8_ref(x, block)
+    row = quantize_fp8_ref(x, block, amax)
     if block == (1, BLOCK):
         return row, quantize_fp8_blockwise_ref(x.t(), block)
     return row, transpose_fp8_ref(row)

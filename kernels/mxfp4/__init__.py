@@ -4,10 +4,11 @@ scale. The paper's comparison format.
 Public API (the same call runs the Triton kernel on CUDA tensors and on CPU under ``TRITON_INTERPRET=1``,
 the pure-PyTorch reference otherwise; both give the same bits):
 
-    q = quantize_mxfp4(x, stochastic=False, seed=0)   # blocks of 32 along the LAST dim
+    q = quantize_mxfp4(x, stochastic=False, seed=0, block_2d=False)   # blocks of 32 along the LAST dim
     q.codes    # uint8 [M, K // 2], element 2j in the low nibble
     q.scales   # uint8 [M, K // 32], E8M0: 2^(code - 127); 0xFF = NaN
     row, col = quantize_mxfp4_rowcol(x, ...)           # rowwise and x^T (blocks along M), one launch
+    transpose_mxfp4(q)                                 # 2-D (32x32) only: the same values, transposed
     dequantize_mxfp4(q)                                # float32 [M, K]
     mxfp4_gemm(a, b, out_dtype=torch.bfloat16)         # C[M, N] = A[M, K] . B[N, K]^T
 
@@ -25,11 +26,13 @@ from kernels.mxfp4.reference import (
     MXFP4Tensor,
     check_col_input,
     check_input,
+    check_rowcol_modes,
     dequantize_mxfp4_ref,
     e8m0_to_float32,
     mxfp4_gemm_ref,
     quantize_mxfp4_ref,
     quantize_mxfp4_rowcol_ref,
+    transpose_mxfp4_ref,
 )
 
 __all__ = [
@@ -38,25 +41,30 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_mxfp4_rowcol",
     "dequantize_mxfp4",
+    "transpose_mxfp4",
     "mxfp4_gemm",
     "quantize_mxfp4_ref",
     "quantize_mxfp4_rowcol_ref",
     "dequantize_mxfp4_ref",
     "mxfp4_gemm_ref",
+    "transpose_mxfp4_ref",
     "e8m0_to_float32",
 ]
 
 
-def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int = 0) -> MXFP4Tensor:
-    """Quantize a 2-D bf16/fp32 tensor to MXFP4, blocks of 32 along the last dim; ``stochastic`` rounds
-    with 8 random bits per element from a counter-based hash keyed by ``seed``."""
-    check_input(x)
+def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False) -> MXFP4Tensor:
+    """Quantize a 2-D bf16/fp32 tensor to MXFP4, blocks of 32 along the last dim (32x32 tiles when
+    ``block_2d``, for weights); ``stochastic`` rounds with 8 random bits per element from a counter-based
+    hash keyed by ``seed``."""
+    check_input(x, block_2d)
     if not use_triton(x):
-        return quantize_mxfp4_ref(x, stochastic=stochastic, seed=seed)
+        return quantize_mxfp4_ref(x, stochastic=stochastic, seed=seed, block_2d=block_2d)
     from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
-    codes, scales, _, _ = quantize_mxfp4_rowcol_triton(x, row_stochastic=stochastic, row_key=seed_key(seed))
-    return MXFP4Tensor(codes=codes, scales=scales)
+    codes, scales, _, _ = quantize_mxfp4_rowcol_triton(
+        x, row_stochastic=stochastic, row_key=seed_key(seed), block_2d=block_2d
+    )
+    return MXFP4Tensor(codes=codes, scales=scales, block_2d=block_2d)
 
 
 def quantize_mxfp4_rowcol(
@@ -65,22 +73,32 @@ def quantize_mxfp4_rowcol(
     col_stochastic: bool = False,
     row_seed: int = 0,
     col_seed: int = 0,
+    block_2d: bool = False,
 ) -> tuple[MXFP4Tensor, MXFP4Tensor]:
     """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
-    blocks along M). Both dims must be multiples of 32."""
-    check_input(x)
+    blocks along M). Both dims must be multiples of 32. With ``block_2d`` the columnwise copy is the
+    rowwise copy transposed (the same values)."""
+    check_input(x, block_2d)
     check_col_input(x)
+    check_rowcol_modes(block_2d, row_stochastic, col_stochastic)
     if not use_triton(x):
         return quantize_mxfp4_rowcol_ref(
-            x, row_stochastic=row_stochastic, col_stochastic=col_stochastic, row_seed=row_seed, col_seed=col_seed
+            x, row_stochastic=row_stochastic, col_stochastic=col_stochastic, row_seed=row_seed,
+            col_seed=col_seed, block_2d=block_2d,
         )
     from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
     rc, rs, cc, cs = quantize_mxfp4_rowcol_triton(
         x, write_row=True, write_col=True, row_stochastic=row_stochastic, col_stochastic=col_stochastic,
-        row_key=seed_key(row_seed), col_key=seed_key(col_seed),
+        row_key=seed_key(row_seed), col_key=seed_key(col_seed), block_2d=block_2d,
     )
-    return MXFP4Tensor(codes=rc, scales=rs), MXFP4Tensor(codes=cc, scales=cs)
+    return (MXFP4Tensor(codes=rc, scales=rs, block_2d=block_2d),
+            MXFP4Tensor(codes=cc, scales=cs, block_2d=block_2d))
+
+
+def transpose_mxfp4(q: MXFP4Tensor) -> MXFP4Tensor:
+    """The same quantized values transposed (2-D, 32x32-tiled tensors only)."""
+    return transpose_mxfp4_ref(q)
 
 
 def dequantize_mxfp4(q: MXFP4Tensor) -> torch.Tensor:

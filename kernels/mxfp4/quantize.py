@@ -6,8 +6,9 @@ Layout (same as ``kernels/mxfp4/reference.py``):
     col codes  uint8 [K, M/2]   col scales  uint8 E8M0 [K, M/32]    (blocks of 32 along M, rows of x^T)
 
 MXFP4 has no tensor scale, so unlike NVFP4 no amax pass is needed: every output depends only on its own
-32-element block. Each program owns a [BM, BK] tile (BM, BK multiples of 32), so the tile shape is a pure
-performance choice. Per block: the E8M0 code is ``max(e(amax) - 2, 0)`` read from the fp32 exponent bits
+32-element block (or 32x32 tile in 2-D mode, where the columnwise copy is the rowwise one transposed).
+Each program owns a [BM, BK] tile (BM, BK multiples of 32), so the tile shape is a pure performance
+choice. Per block: the E8M0 code is ``max(e(amax) - 2, 0)`` read from the fp32 exponent bits
 of the block amax (0xFF when the block holds NaN/Inf), the elements are multiplied by the normal power of
 two ``2^(127 - code)`` built from bits (exact), products below 2^-126 are flushed to zero, and the E2M1
 rounding is the shared bit-exact one of ``kernels/fp4_triton.py``. No division, no transcendental, no
@@ -35,11 +36,16 @@ FLT_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126
 
 
 @triton.jit
-def _mx_blocks(v, rbits, STOCHASTIC: tl.constexpr):
-    """v [R, NB, 32] fp32 -> (codes [R, NB, 32] int32, E8M0 codes [R, NB] int32)."""
+def _abs_inf(v):
+    """|v| with NaN counted as +Inf (the GPU's max ignores NaN, the interpreter's propagates it)."""
     a = tl.abs(v)
-    a = tl.where(a == a, a, float("inf"))  # NaN counts as +Inf (GPU max ignores NaN)
-    amax = tl.max(a, axis=2)
+    return tl.where(a == a, a, float("inf"))
+
+
+@triton.jit
+def _mx_blocks(v, amax, rbits, STOCHASTIC: tl.constexpr):
+    """v [R, NB, 32] fp32, amax [R, NB] (+Inf for non-finite blocks) -> (codes [R, NB, 32] int32,
+    E8M0 codes [R, NB] int32)."""
     e = ((u32(amax) >> 23) & 0xFF).to(tl.int32)
     code = tl.maximum(e - 2, 0)
     nonfinite = amax == float("inf")
@@ -62,7 +68,7 @@ def _mxfp4_quantize_kernel(
     x_ptr, row_codes_ptr, row_scales_ptr, col_codes_ptr, col_scales_ptr,
     M, K, stride_m, stride_k, row_key, col_key,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr,
-    BF16_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    BLOCK_2D: tl.constexpr, BF16_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
@@ -73,15 +79,22 @@ def _mxfp4_quantize_kernel(
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, BF16_BITS)
 
-    if WRITE_ROW:
+    if WRITE_ROW or BLOCK_2D:
         v = tl.reshape(x, [BM, BK // 32, 32])
+        if BLOCK_2D:
+            t4 = tl.reshape(_abs_inf(x), [BM // 32, 32, BK // 32, 32])
+            tmax = tl.max(tl.max(t4, axis=3), axis=1)  # [BM/32, BK/32]
+            amax = tl.reshape(tl.broadcast_to(tmax[:, None, :], [BM // 32, 32, BK // 32]), [BM, BK // 32])
+        else:
+            amax = tl.max(_abs_inf(v), axis=2)
         if ROW_SR:
             idx = rm[:, None].to(tl.int64) * K + rk[None, :]
             rbits = tl.reshape(random_bits8(idx, row_key), [BM, BK // 32, 32])
         else:
             rbits = 0
-        q, code = _mx_blocks(v, rbits, ROW_SR)
+        q, code = _mx_blocks(v, amax, rbits, ROW_SR)
         q = tl.reshape(q, [BM, BK])
+    if WRITE_ROW:
         rkh = k0 // 2 + tl.arange(0, BK // 2)
         cmask = (rm[:, None] < M) & (rkh[None, :] < K // 2)
         tl.store(row_codes_ptr + rm[:, None] * (K // 2) + rkh[None, :], pack_pairs(q, BM, BK), mask=cmask)
@@ -90,15 +103,21 @@ def _mxfp4_quantize_kernel(
         tl.store(row_scales_ptr + rm[:, None] * (K // 32) + rks[None, :], code.to(tl.uint8), mask=smask)
 
     if WRITE_COL:
-        xt = tl.trans(x)  # [BK, BM]
-        vt = tl.reshape(xt, [BK, BM // 32, 32])
-        if COL_SR:
-            idx = rk[:, None].to(tl.int64) * M + rm[None, :]
-            rbits_t = tl.reshape(random_bits8(idx, col_key), [BK, BM // 32, 32])
+        if BLOCK_2D:
+            # the same values transposed: each tile's scale serves both orientations
+            qt = tl.trans(q)  # [BK, BM]
+            tsc = tl.max(tl.reshape(code, [BM // 32, 32, BK // 32]), axis=1)  # equal over a tile's rows
+            codet = tl.reshape(tl.broadcast_to(tl.trans(tsc)[:, None, :], [BK // 32, 32, BM // 32]), [BK, BM // 32])
         else:
-            rbits_t = 0
-        qt, codet = _mx_blocks(vt, rbits_t, COL_SR)
-        qt = tl.reshape(qt, [BK, BM])
+            xt = tl.trans(x)  # [BK, BM]
+            vt = tl.reshape(xt, [BK, BM // 32, 32])
+            if COL_SR:
+                idx = rk[:, None].to(tl.int64) * M + rm[None, :]
+                rbits_t = tl.reshape(random_bits8(idx, col_key), [BK, BM // 32, 32])
+            else:
+                rbits_t = 0
+            qt, codet = _mx_blocks(vt, tl.max(_abs_inf(vt), axis=2), rbits_t, COL_SR)
+            qt = tl.reshape(qt, [BK, BM])
         rmh = m0 // 2 + tl.arange(0, BM // 2)
         cmask = (rk[:, None] < K) & (rmh[None, :] < M // 2)
         tl.store(col_codes_ptr + rk[:, None] * (M // 2) + rmh[None, :], pack_pairs(qt, BK, BM), mask=cmask)
@@ -116,6 +135,7 @@ def quantize_mxfp4_rowcol_triton(
     col_stochastic: bool = False,
     row_key: int = 0,
     col_key: int = 0,
+    block_2d: bool = False,
     block_m: int = 64,
     block_k: int = 64,
     num_warps: int = 4,
@@ -140,6 +160,6 @@ def quantize_mxfp4_rowcol_triton(
         col_codes if write_col else dummy, col_scales if write_col else dummy,
         M, K, x.stride(0), x.stride(1), row_key, col_key,
         WRITE_ROW=write_row, WRITE_COL=write_col, ROW_SR=row_stochastic, COL_SR=col_stochastic,
-        BF16_BITS=bf16, BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
+        BLOCK_2D=block_2d, BF16_BITS=bf16, BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
     )
     return row_codes, row_scales, col_codes, col_scales

@@ -34,9 +34,13 @@ Stochastic rounding uses 8 random bits per element from the shared counter-based
 
 Dequantization: ``e2m1(q) * 2^X`` in fp32, exact (2^-127 * 0.5 = 2^-128 is still an fp32 subnormal).
 
+2-D mode (``block_2d=True``, for weights): one scale per 32x32 tile, from the tile amax, stored replicated
+on each of the tile's 32 rows (the same [M, K/32] layout), so W (Fprop) and W^T (Dgrad) are bitwise the
+same values: ``transpose_mxfp4_ref`` gives the quantization of x^T.
+
 Layout: codes uint8 [M, K/2] (element 2j in the low nibble), scales uint8 [M, K/32].
-Shapes: the last dim must be a multiple of 32; otherwise ValueError. Inputs: 2-D bf16 or fp32 tensors
-(non-contiguous is fine).
+Shapes: the last dim must be a multiple of 32 (and the first too in 2-D mode); otherwise ValueError.
+Inputs: 2-D bf16 or fp32 tensors (non-contiguous is fine).
 """
 
 from __future__ import annotations
@@ -69,11 +73,14 @@ class MXFP4Tensor:
     """A quantized 2-D tensor: blocks of 32 along the last dim.
 
     codes:  uint8 [M, K // 2], element 2j in the low nibble, 2j+1 in the high nibble.
-    scales: uint8 [M, K // 32], E8M0: the block scale is 2^(scales - 127); 0xFF is NaN.
+    scales: uint8 [M, K // 32], E8M0: the block scale is 2^(scales - 127); 0xFF is NaN (replicated over
+            the 32 rows of a tile in 2-D mode).
+    block_2d: whether the scales are per 32x32 tile.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
+    block_2d: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,7 +90,7 @@ class MXFP4Tensor:
         return self.codes.numel() + self.scales.numel()
 
 
-def check_input(x: torch.Tensor) -> None:
+def check_input(x: torch.Tensor, block_2d: bool = False) -> None:
     """Validate what the quantizers accept (shared by the reference and the Triton path)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
@@ -98,6 +105,11 @@ def check_input(x: torch.Tensor) -> None:
         raise ValueError(
             f"MXFP4 blocks are {BLOCK} elements along the last dim, but it has {x.shape[1]} elements "
             f"(shape {tuple(x.shape)}); pad the last dim to a multiple of {BLOCK}"
+        )
+    if block_2d and x.shape[0] % BLOCK != 0:
+        raise ValueError(
+            f"2-D MXFP4 scaling uses {BLOCK}x{BLOCK} tiles, but the first dim has {x.shape[0]} rows "
+            f"(shape {tuple(x.shape)}); pad it to a multiple of {BLOCK}"
         )
 
 
@@ -118,11 +130,11 @@ def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def block_amax_nonfinite(blocks: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim, with NaN counted as +Inf (so a block with NaN or Inf gives +Inf)."""
+def block_amax_nonfinite(blocks: torch.Tensor, dims=-1) -> torch.Tensor:
+    """max |x| over ``dims``, with NaN counted as +Inf (so a block with NaN or Inf gives +Inf)."""
     a = blocks.abs()
     a = torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
-    return a.amax(dim=-1)
+    return a.amax(dim=dims)
 
 
 def e8m0_codes(blk_amax: torch.Tensor) -> torch.Tensor:
@@ -140,13 +152,20 @@ def inverse_scale(code: torch.Tensor) -> torch.Tensor:
     return ((2 * E8M0_BIAS - c) << 23).to(torch.int32).view(torch.float32)
 
 
-def quantize_mxfp4_ref(x: torch.Tensor, stochastic: bool = False, seed: int = 0) -> MXFP4Tensor:
-    """Quantize a 2-D tensor to MXFP4 with blocks of 32 along the last dim (see the module docstring)."""
-    check_input(x)
+def quantize_mxfp4_ref(
+    x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False
+) -> MXFP4Tensor:
+    """Quantize a 2-D tensor to MXFP4 with blocks of 32 along the last dim, or 32x32 tiles (``block_2d``);
+    see the module docstring."""
+    check_input(x, block_2d)
     m, k = x.shape
     x32 = x.to(torch.float32).contiguous()
     blocks = x32.view(m, k // BLOCK, BLOCK)
-    blk_amax = block_amax_nonfinite(blocks)
+    if block_2d:
+        tiles = block_amax_nonfinite(x32.view(m // BLOCK, BLOCK, k // BLOCK, BLOCK), (1, 3))
+        blk_amax = tiles.repeat_interleave(BLOCK, dim=0)
+    else:
+        blk_amax = block_amax_nonfinite(blocks)
     code = e8m0_codes(blk_amax)
     v = blocks * inverse_scale(code).unsqueeze(-1)
     v = torch.where(v.abs() < FLT_MIN_NORMAL, torch.zeros_like(v), v).view(m, k)
@@ -157,7 +176,24 @@ def quantize_mxfp4_ref(x: torch.Tensor, stochastic: bool = False, seed: int = 0)
     q = (q & 7) | ((x32 < 0).to(torch.uint8) << 3)
     nonfinite = (code == E8M0_NAN).repeat_interleave(BLOCK, dim=1)
     q = torch.where(nonfinite, torch.zeros_like(q), q)
-    return MXFP4Tensor(codes=pack_nibbles(q), scales=code.to(torch.uint8))
+    return MXFP4Tensor(codes=pack_nibbles(q), scales=code.to(torch.uint8), block_2d=block_2d)
+
+
+def transpose_mxfp4_ref(q: MXFP4Tensor) -> MXFP4Tensor:
+    """The same quantized values, transposed ([K, M], blocks along M). Only for 2-D (32x32) scaling, where
+    each tile's scale serves both orientations."""
+    if not q.block_2d:
+        raise ValueError("only 2-D (32x32) scaled MXFP4 tensors can be transposed without requantizing")
+    codes = pack_nibbles(unpack_nibbles(q.codes).t())
+    tile = q.scales[::BLOCK, :]  # [M/32, K/32]
+    scales = tile.t().contiguous().repeat_interleave(BLOCK, dim=0)  # [K, M/32]
+    return MXFP4Tensor(codes=codes.contiguous(), scales=scales, block_2d=True)
+
+
+def check_rowcol_modes(block_2d: bool, row_stochastic: bool, col_stochastic: bool) -> None:
+    if block_2d and col_stochastic != row_stochastic:
+        raise ValueError("2-D scaling gives one set of values for both orientations: "
+                         "col_stochastic must equal row_stochastic")
 
 
 def quantize_mxfp4_rowcol_ref(
@@ -166,12 +202,17 @@ def quantize_mxfp4_rowcol_ref(
     col_stochastic: bool = False,
     row_seed: int = 0,
     col_seed: int = 0,
+    block_2d: bool = False,
 ) -> tuple[MXFP4Tensor, MXFP4Tensor]:
     """The two copies a linear layer needs from one [M, K] tensor: rowwise (blocks along K) and the
-    columnwise copy of x^T ([K, M], blocks along M)."""
-    check_input(x)
+    columnwise copy of x^T ([K, M], blocks along M). In 2-D mode the columnwise copy is the rowwise copy
+    transposed (the same values; ``col_seed`` is unused)."""
+    check_input(x, block_2d)
     check_col_input(x)
-    row = quantize_mxfp4_ref(x, stochastic=row_stochastic, seed=row_seed)
+    check_rowcol_modes(block_2d, row_stochastic, col_stochastic)
+    row = quantize_mxfp4_ref(x, stochastic=row_stochastic, seed=row_seed, block_2d=block_2d)
+    if block_2d:
+        return row, transpose_mxfp4_ref(row)
     col = quantize_mxfp4_ref(x.t(), stochastic=col_stochastic, seed=col_seed)
     return row, col
 

@@ -15,6 +15,7 @@ import torch
 from kernels.fp8 import (
     FP8Tensor,
     dequantize_fp8,
+    fp8_amax,
     fp8_gemm,
     fp8_gemm_backend,
     quantize_fp8,
@@ -338,6 +339,45 @@ def test_bad_dtype_and_rowcol_shape_raise():
         quantize_fp8_rowcol(torch.zeros(100, 128), (1, 128))
 
 
+def test_tensorwise_precomputed_amax_makes_shards_agree(gen):
+    """Tensor parallelism: shards quantized with the MAX of their raw amaxes are slices of the whole
+    tensor's quantization (what ``amax_group`` computes with an all-reduce)."""
+    x = random_tensor(gen, (64, 256))
+    x[5, 7] = float("inf")
+    xs = x[:, 128:]  # finite columns
+    whole = quantize_fp8_tensorwise_ref(xs)
+    amax = torch.maximum(fp8_amax(xs[:32]), fp8_amax(xs[32:]))
+    for i in range(2):
+        q = quantize_fp8(xs[32 * i : 32 * (i + 1)], None, amax=amax)
+        assert torch.equal(q.data.view(torch.uint8), whole.data.view(torch.uint8)[32 * i : 32 * (i + 1)])
+        assert same_f32(q.scale_inv, whole.scale_inv)
+    # a non-finite element anywhere makes the raw amax +Inf and every shard NaN (the non-finite policy)
+    amax = torch.maximum(fp8_amax(x[:32]), fp8_amax(x[32:]))
+    assert amax.item() == float("inf")
+    q = quantize_fp8(x[32:], None, amax=amax)
+    assert torch.isnan(q.scale_inv) and q.data.view(torch.uint8).eq(0x7F).all()
+    with pytest.raises(ValueError, match="per-tensor scaling"):
+        quantize_fp8(x, (1, 128), amax=amax)
+
+
+def test_amax_group_all_reduces(tmp_path, gen):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        x = random_tensor(gen, (32, 256))
+        for q, ref in (
+            (quantize_fp8(x, None, amax_group=dist.group.WORLD), quantize_fp8_tensorwise_ref(x)),
+            (quantize_fp8_rowcol(x, None, amax_group=dist.group.WORLD)[1], transpose_fp8_ref(quantize_fp8_ref(x))),
+            (quantize_fp8(x, (1, 128), amax_group=dist.group.WORLD), quantize_fp8_blockwise_ref(x)),
+        ):
+            assert_same(q, ref)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_tensorwise_any_shape(gen):
     x = random_tensor(gen, (7, 50))
     check_brute(x, None)
@@ -541,6 +581,23 @@ def test_kernels_non_contiguous_input(triton_device, gen):
         assert_same(col, cref)
     sl = random_tensor(gen, (128, 512), torch.bfloat16).to(triton_device)[:, ::2]  # stride 2 along K
     assert_same(quantize_fp8_blockwise(sl), quantize_fp8_blockwise_ref(sl.cpu()))
+
+
+@pytest.mark.triton
+def test_kernels_precomputed_amax(triton_device, gen):
+    x = random_tensor(gen, (64, 256))
+    xd = x.to(triton_device)
+    assert fp8_amax(xd).cpu().item() == x.abs().max().item()
+    amax = fp8_amax(x) * 2  # a larger (e.g. all-reduced) amax
+    assert_same(quantize_fp8(xd, None, amax=amax.to(triton_device)), quantize_fp8_ref(x, None, amax=amax))
+    row, col = quantize_fp8_rowcol(xd, None, amax=amax.to(triton_device))
+    rref, cref = quantize_fp8_rowcol_ref(x, None, amax=amax)
+    assert_same(row, rref)
+    assert_same(col, cref)
+    bad = torch.tensor(float("inf"))
+    assert_same(quantize_fp8(xd, None, amax=bad.to(triton_device)), quantize_fp8_ref(x, None, amax=bad))
+    x[3, 3] = float("nan")
+    assert fp8_amax(x.to(triton_device)).cpu().item() == float("inf")
 
 
 @pytest.mark.triton

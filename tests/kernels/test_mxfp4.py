@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.fp4_reference import E2M1_VALUES, unpack_nibbles
-from kernels.mxfp4 import quantize_mxfp4, quantize_mxfp4_rowcol
+from kernels.mxfp4 import quantize_mxfp4, quantize_mxfp4_rowcol, transpose_mxfp4
 from kernels.mxfp4.reference import (
     BLOCK,
     MXFP4Tensor,
@@ -22,6 +22,7 @@ from kernels.mxfp4.reference import (
     mxfp4_gemm_ref,
     quantize_mxfp4_ref,
     quantize_mxfp4_rowcol_ref,
+    transpose_mxfp4_ref,
 )
 
 E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float64)
@@ -41,8 +42,9 @@ def nearest_e2m1_index(m: torch.Tensor) -> torch.Tensor:
     return (best.to(torch.int64) * (1 + even)).argmax(dim=-1)  # first maximal score: the even tie winner
 
 
-def brute_force_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [M, K] uint8 unpacked, scales [M, K/32] uint8) computed without the reference's bit tricks."""
+def brute_force_mxfp4(x: torch.Tensor, block_2d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K] uint8 unpacked, scales [M, K/32] uint8) computed without the reference's bit tricks;
+    ``block_2d``: the scale of each 32-element block comes from its whole 32x32 tile."""
     x64 = x.to(torch.float32).to(torch.float64)
     m, k = x64.shape
     blocks = x64.view(m, k // BLOCK, BLOCK)
@@ -51,10 +53,11 @@ def brute_force_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(m):
         for j in range(k // BLOCK):
             blk = blocks[i, j]
-            if not torch.isfinite(blk).all():
+            group = x64[i // BLOCK * BLOCK : (i // BLOCK + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] if block_2d else blk
+            if not torch.isfinite(group).all():
                 scales[i, j] = 0xFF
                 continue
-            amax = blk.abs().max().item()
+            amax = group.abs().max().item()
             if amax == 0:
                 x_exp = -127
             else:
@@ -69,6 +72,7 @@ def brute_force_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def assert_same(got: MXFP4Tensor, ref: MXFP4Tensor) -> None:
     assert got.codes.dtype == torch.uint8 and got.scales.dtype == torch.uint8
+    assert got.block_2d == ref.block_2d
     assert got.codes.shape == ref.codes.shape and got.scales.shape == ref.scales.shape
     assert torch.equal(got.scales.cpu(), ref.scales), "E8M0 scales differ"
     assert torch.equal(got.codes.cpu(), ref.codes), "codes differ"
@@ -177,11 +181,16 @@ def test_reference_matches_brute_force(gen, dtype, shape):
     assert torch.equal(unpack_nibbles(q.codes), codes)
 
 
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x32", "32x32"])
 @pytest.mark.parametrize("case", sorted(EDGE_CASES))
-def test_reference_edge_cases_match_brute_force(gen, case):
+def test_reference_edge_cases_match_brute_force(gen, case, block_2d):
     x = EDGE_CASES[case](gen)
-    q = quantize_mxfp4_ref(x)
-    codes, scales = brute_force_mxfp4(x)
+    if block_2d and x.shape[0] < BLOCK:
+        x = torch.cat([x] * (BLOCK // x.shape[0] + 1))[:BLOCK]
+    elif block_2d:
+        x = x[: x.shape[0] // BLOCK * BLOCK]
+    q = quantize_mxfp4_ref(x, block_2d=block_2d)
+    codes, scales = brute_force_mxfp4(x, block_2d)
     assert torch.equal(q.scales, scales)
     assert torch.equal(unpack_nibbles(q.codes), codes)
 
@@ -281,6 +290,26 @@ def test_bad_dtype_and_rowcol_shape_raise():
         quantize_mxfp4_rowcol(torch.zeros(48, 64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_2d_tiles_match_brute_force_and_transpose(gen, dtype):
+    x = random_tensor(gen, (64, 96), dtype)
+    x[40, 70] = float("nan")  # one non-finite tile
+    q = quantize_mxfp4_ref(x, block_2d=True)
+    codes, scales = brute_force_mxfp4(x, block_2d=True)
+    assert q.block_2d and torch.equal(q.scales, scales) and torch.equal(unpack_nibbles(q.codes), codes)
+    # W (Fprop) and W^T (Dgrad) are the same values: the transpose is the quantization of x^T
+    assert_same(transpose_mxfp4(q), quantize_mxfp4_ref(x.t(), block_2d=True))
+    row, col = quantize_mxfp4_rowcol_ref(x, block_2d=True)
+    assert_same(row, q)
+    assert_same(col, transpose_mxfp4_ref(q))
+    with pytest.raises(ValueError, match="requantizing"):
+        transpose_mxfp4_ref(quantize_mxfp4_ref(x))
+    with pytest.raises(ValueError, match="pad it to a multiple of 32"):
+        quantize_mxfp4(torch.zeros(48, 64), block_2d=True)
+    with pytest.raises(ValueError, match="col_stochastic must equal row_stochastic"):
+        quantize_mxfp4_rowcol(x, row_stochastic=True, block_2d=True)
+
+
 def test_rowcol_columnwise_is_quantized_transpose(gen):
     x = random_tensor(gen, (64, 96))
     row, col = quantize_mxfp4_rowcol_ref(x, col_stochastic=True, col_seed=9)
@@ -367,6 +396,11 @@ def check_kernel(x: torch.Tensor, device: str, stochastic: bool = False, seed: i
     xd = x.to(device)
     assert_same(quantize_mxfp4(xd, stochastic=stochastic, seed=seed), quantize_mxfp4_ref(x, stochastic, seed))
     if x.shape[0] % BLOCK == 0:
+        assert_same(quantize_mxfp4(xd, stochastic, seed, block_2d=True), quantize_mxfp4_ref(x, stochastic, seed, True))
+        row, col = quantize_mxfp4_rowcol(xd, stochastic, stochastic, seed, seed, block_2d=True)
+        rref, cref = quantize_mxfp4_rowcol_ref(x, stochastic, stochastic, seed, seed, block_2d=True)
+        assert_same(row, rref)
+        assert_same(col, cref)
         row, col = quantize_mxfp4_rowcol(
             xd, row_stochastic=stochastic, col_stochastic=not stochastic, row_seed=seed, col_seed=seed + 1
         )
