@@ -1,0 +1,19 @@
+"""Data: the committed byte-level BPE tokenizer, text -> megatron-core indexed datasets, blended GPT datasets.
+
+See docs/data.md. megatron-core is imported only when datasets are prepared or built.
+"""
+
+from nvfp4_train.data.datasets import DataConfig, build_data_loader, build_datasets, check_indexed_dataset
+from nvfp4_train.data.prepare import prepare
+from nvfp4_train.data.tokenizer import DEFAULT_TOKENIZER_PATH, BPETokenizer, load_tokenizer
+
+__all__ = [
+    "BPETokenizer",
+    "DEFAULT_TOKENIZER_PATH",
+    "DataConfig",
+    "build_data_loader",
+    "build_datasets",
+    "check_indexed_dataset",
+    "load_tokenizer",
+    "prepare",
+]

@@ -1,0 +1,16 @@
+#!/usr/bin/env python3
+"""Tokenize text into megatron-core indexed datasets: see nvfp4_train/data/prepare.py and docs/data.md.
+
+    python scripts/prepare_data.py --input data/corpus/text/train.jsonl \
+        --valid-input data/corpus/text/validation.jsonl --output-prefix data/tokens/text
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from nvfp4_train.data.prepare import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
