@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install test test-unit test-triton test-dist test-gpu bench bench-kernels wheelhouse clean
+.PHONY: install data test test-unit test-triton test-dist test-gpu bench bench-kernels wheelhouse wheelhouse-h200 clean
 
 install: $(STAMP)
 
@@ -49,6 +49,16 @@ bench-kernels:
 
 wheelhouse:
 	bash scripts/wheelhouse.sh
+
+# the minimal set our H200 machine lacks, into .whl/ (carried to the device; see docs/wheelhouse.md)
+wheelhouse-h200:
+	bash scripts/wheelhouse.sh --minimal --out .whl
+
+# the default corpus and its tokens (both steps are cheap when up to date)
+data: $(STAMP)
+	$(PY) scripts/build_corpus.py
+	$(PY) scripts/prepare_data.py --input data/corpus/text/train.jsonl \
+		--valid-input data/corpus/text/validation.jsonl --output-prefix data/tokens/text
 
 clean:
 	rm -rf $(VENV) .pytest_cache
