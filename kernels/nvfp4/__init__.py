@@ -22,6 +22,7 @@ from kernels.nvfp4.reference import (
     BLOCK,
     NVFP4Tensor,
     check_input,
+    check_rowcol_input,
     dequantize_nvfp4_ref,
     hadamard16_ref,
     nvfp4_alpha,
@@ -103,21 +104,13 @@ def quantize_nvfp4_rowcol(
     """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
     blocks along M, Hadamard-mixed when ``col_rht``, with its own amax). With ``block_2d`` the columnwise
     copy is the rowwise copy transposed (the same values)."""
-    check_input(x, block_2d)
     if not use_triton(x):
         return quantize_nvfp4_rowcol_ref(
             x, block_2d=block_2d, col_rht=col_rht, row_stochastic=row_stochastic,
             col_stochastic=col_stochastic, row_seed=row_seed, col_seed=col_seed,
             row_amax=row_amax, col_amax=col_amax,
         )
-    if block_2d and (col_rht or col_stochastic != row_stochastic):
-        raise ValueError("2-D scaling gives one set of values for both orientations: no col_rht, "
-                         "and col_stochastic must equal row_stochastic")
-    if x.shape[0] % BLOCK != 0:
-        raise ValueError(
-            f"the columnwise NVFP4 copy has blocks of {BLOCK} along the first dim, which has "
-            f"{x.shape[0]} rows; pad the token dim to a multiple of {BLOCK}"
-        )
+    check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
 
     rc, rs, cc, cs, am = quantize_nvfp4_rowcol_triton(

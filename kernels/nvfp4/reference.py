@@ -228,6 +228,20 @@ def transpose_nvfp4_ref(q: NVFP4Tensor) -> NVFP4Tensor:
     return NVFP4Tensor(codes=codes.contiguous(), scales=scales, amax=q.amax, block_2d=True)
 
 
+def check_rowcol_input(x: torch.Tensor, block_2d: bool, col_rht: bool, row_stochastic: bool,
+                       col_stochastic: bool) -> None:
+    """Validate a row + column quantization request (shared by the reference and the Triton path)."""
+    check_input(x, block_2d)
+    if block_2d and (col_rht or col_stochastic != row_stochastic):
+        raise ValueError("2-D scaling gives one set of values for both orientations: no col_rht, "
+                         "and col_stochastic must equal row_stochastic")
+    if x.shape[0] % BLOCK != 0:
+        raise ValueError(
+            f"the columnwise NVFP4 copy has blocks of {BLOCK} along the first dim, which has "
+            f"{x.shape[0]} rows; pad the token dim to a multiple of {BLOCK}"
+        )
+
+
 def quantize_nvfp4_rowcol_ref(
     x: torch.Tensor,
     block_2d: bool = False,
@@ -242,17 +256,10 @@ def quantize_nvfp4_rowcol_ref(
     """The two copies a linear layer needs from one [M, K] tensor: the rowwise copy (blocks along K) and
     the columnwise copy of x^T ([K, M], blocks along M; Hadamard-mixed when ``col_rht``, its own amax).
     In 2-D mode the columnwise copy is the rowwise copy transposed (same values, same amax)."""
+    check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     row = quantize_nvfp4_ref(x, block_2d=block_2d, stochastic=row_stochastic, seed=row_seed, amax=row_amax)
     if block_2d:
-        if col_rht or col_stochastic != row_stochastic:
-            raise ValueError("2-D scaling gives one set of values for both orientations: no col_rht, "
-                             "and col_stochastic must equal row_stochastic")
         return row, transpose_nvfp4_ref(row)
-    if x.shape[0] % BLOCK != 0:
-        raise ValueError(
-            f"the columnwise NVFP4 copy has blocks of {BLOCK} along the first dim, which has "
-            f"{x.shape[0]} rows; pad the token dim to a multiple of {BLOCK}"
-        )
     col = quantize_nvfp4_ref(x.t(), rht=col_rht, stochastic=col_stochastic, seed=col_seed, amax=col_amax)
     return row, col
 
