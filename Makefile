@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 test: $(STAMP)
 	$(PYTEST) -m "not triton and not dist and not gpu" tests
 	TRITON_INTERPRET=1 $(PYTEST) -m triton tests
-	$(PYTEST) -m dist tests
+	$(MAKE) test-dist
 
 test-unit: $(STAMP)
 	$(PYTEST) -m "not triton and not dist and not gpu" tests
@@ -33,8 +33,9 @@ test-unit: $(STAMP)
 test-triton: $(STAMP)
 	TRITON_INTERPRET=1 $(PYTEST) -m triton tests
 
+# exit 5 = no test collected: the tier is empty until the two-rank tests land (issue 3/4)
 test-dist: $(STAMP)
-	$(PYTEST) -m dist tests
+	$(PYTEST) -m dist tests || [ $$? -eq 5 ]
 
 # On a CUDA machine (no venv: the machine's own torch/triton, packages from the wheelhouse on PYTHONPATH):
 # the same Triton tests natively, plus the GPU-only tests.
