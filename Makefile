@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 # interpreter (the flag is read at import, so they get their own process), then the two-rank gloo tests.
 test: $(STAMP)
 	$(PYTEST) -m "not triton and not dist and not gpu" tests
+	$(MAKE) --no-print-directory test-dist
 	TRITON_INTERPRET=1 $(PYTEST) -m triton tests
-	$(MAKE) test-dist
 
 test-unit: $(STAMP)
 	$(PYTEST) -m "not triton and not dist and not gpu" tests
