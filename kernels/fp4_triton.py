@@ -30,6 +30,16 @@ def load_as_f32(ptrs, mask, IS_BF16: tl.constexpr):
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def load_tile(x_ptr, m0, k0, M, K, stride_m, stride_k, BM: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr):
+    """The [BM, BK] tile of a [M, K] tensor at (m0, k0) as fp32 (zeros outside), with its row and column
+    indices and the in-bounds mask."""
+    rm = m0 + tl.arange(0, BM)
+    rk = k0 + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    return load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, IS_BF16), rm, rk, mask
+
+
 def as_kernel_input(x):
     """The tensor to hand to a kernel that loads with ``load_as_f32``: bf16 as its int16 bits."""
     import torch

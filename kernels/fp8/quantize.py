@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import as_kernel_input, e4m3_rne, load_as_f32
+from kernels.fp4_triton import as_kernel_input, e4m3_rne, load_tile
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _LAUNCH_OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -60,10 +60,7 @@ def _fp8_blockwise_kernel(
     n_k = tl.cdiv(K, BK)
     m0 = (pid // n_k) * BM
     k0 = (pid % n_k) * BK
-    rm = m0 + tl.arange(0, BM)
-    rk = k0 + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, BF16_BITS)
+    x, rm, rk, mask = load_tile(x_ptr, m0, k0, M, K, stride_m, stride_k, BM, BK, BF16_BITS)
 
     if TILE_2D:
         # BM == BK == 128: the tile is one scaling block; [1, 1]-shaped scales broadcast over it
@@ -107,10 +104,7 @@ def _fp8_amax_kernel(
 ):
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
-    rm = (pid // n_k) * BM + tl.arange(0, BM)
-    rk = (pid % n_k) * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, BF16_BITS)
+    x, rm, rk, mask = load_tile(x_ptr, (pid // n_k) * BM, (pid % n_k) * BK, M, K, stride_m, stride_k, BM, BK, BF16_BITS)
     tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_inf(x), axis=1), axis=0))
 
 
@@ -123,10 +117,7 @@ def _fp8_tensorwise_cast_kernel(
 ):
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
-    rm = (pid // n_k) * BM + tl.arange(0, BM)
-    rk = (pid % n_k) * BK + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, BF16_BITS)
+    x, rm, rk, mask = load_tile(x_ptr, (pid // n_k) * BM, (pid % n_k) * BK, M, K, stride_m, stride_k, BM, BK, BF16_BITS)
     one = tl.arange(0, 1)
     s, sinv = _fp8_scales(tl.load(amax_ptr + one))  # [1]
     if pid == 0:

@@ -26,7 +26,7 @@ from kernels.fp4_triton import (
     as_kernel_input,
     e2m1_round_nearest,
     e2m1_round_stochastic,
-    load_as_f32,
+    load_tile,
     pack_pairs,
     random_bits8,
     u32,
@@ -74,10 +74,7 @@ def _mxfp4_quantize_kernel(
     n_k = tl.cdiv(K, BK)
     m0 = (pid // n_k) * BM
     k0 = (pid % n_k) * BK
-    rm = m0 + tl.arange(0, BM)
-    rk = k0 + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, BF16_BITS)
+    x, rm, rk, mask = load_tile(x_ptr, m0, k0, M, K, stride_m, stride_k, BM, BK, BF16_BITS)
 
     if WRITE_ROW or BLOCK_2D:
         v = tl.reshape(x, [BM, BK // 32, 32])

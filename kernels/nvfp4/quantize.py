@@ -30,7 +30,7 @@ from kernels.fp4_triton import (
     as_kernel_input,
     e4m3_rne_pos,
     hadamard16,
-    load_as_f32,
+    load_tile,
     pack_pairs,
     random_bits8,
     round_to_bf16,
@@ -79,10 +79,7 @@ def _amax_kernel(
     acc_t = tl.zeros([BK, BM], dtype=tl.float32)
     for tile in range(pid, n_tiles, nprog):
         m0, k0 = _tile_coords(tile, M, K, BM, BK, False)
-        rm = m0 + tl.arange(0, BM)
-        rk = k0 + tl.arange(0, BK)
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, ROUND_BF16)
+        x, rm, rk, mask = load_tile(x_ptr, m0, k0, M, K, stride_m, stride_k, BM, BK, ROUND_BF16)
         a = tl.abs(x)
         acc = tl.maximum(acc, tl.where(a == a, a, float("inf")))
         if DO_COL_RHT:
@@ -132,10 +129,7 @@ def _quantize_kernel(
 ):
     pid = tl.program_id(0)
     m0, k0 = _tile_coords(pid, M, K, BM, BK, REVERSE)
-    rm = m0 + tl.arange(0, BM)
-    rk = k0 + tl.arange(0, BK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = load_as_f32(x_ptr + rm[:, None] * stride_m + rk[None, :] * stride_k, mask, ROUND_BF16)
+    x, rm, rk, mask = load_tile(x_ptr, m0, k0, M, K, stride_m, stride_k, BM, BK, ROUND_BF16)
 
     row_s_enc, row_s_dec, row_c, row_amax = _tensor_scales(tl.load(amax_ptr))
     if pid == 0:
