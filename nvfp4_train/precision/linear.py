@@ -19,6 +19,7 @@ Seeds for stochastic rounding come from the caller (a per-layer counter), so a r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ class LinearContext:
     weight_cache: WeightCache = field(default_factory=WeightCache)
     calls: int = 0
     saved_bytes: int = 0  # bytes saved for backward by the last forward (for memory accounting)
+    # when set (every N steps), called as telemetry.record(operand_name, source, cast, operand) for each
+    # quantized operand (see nvfp4_train.precision.telemetry); None costs nothing
+    telemetry: Any = None
 
     def next_seed(self) -> int:
         self.calls += 1
@@ -76,6 +80,12 @@ class QuantLinearFunction(torch.autograd.Function):
         need_col_x = weight.requires_grad
         x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, seed + 2,
                                  lctx.amax_group)
+        tel = lctx.telemetry
+        if tel is not None:
+            tel.record("fprop.x", x2, recipe.fprop.a, x_row)
+            tel.record("fprop.W", weight.detach(), recipe.fprop.b, w_row)
+            if x_col is not None:
+                tel.record("wgrad.x_col", x2.t(), recipe.wgrad.b, x_col)
         y = qgemm(x_row, w_row, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias
@@ -100,6 +110,12 @@ class QuantLinearFunction(torch.autograd.Function):
             dy2, recipe.dgrad.a if need_dx else None, recipe.wgrad.a if need_dw else None,
             ctx.seed + 4, ctx.lctx.amax_group,
         )
+        tel = ctx.lctx.telemetry
+        if tel is not None:
+            if dy_row is not None:
+                tel.record("dgrad.dy", dy2, recipe.dgrad.a, dy_row)
+            if dy_col is not None:
+                tel.record("wgrad.dy_col", dy2.t(), recipe.wgrad.a, dy_col)
         dx = dw = db = None
         if need_dx:
             dx = qgemm(dy_row, ctx.w_col, out_dtype=dy.dtype).view(ctx.x_shape)

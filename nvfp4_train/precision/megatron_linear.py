@@ -1,0 +1,263 @@
+"""megatron-core tensor-parallel linear layers whose GEMMs run under a :class:`QuantRecipe`.
+
+``QuantColumnParallelLinear`` and ``QuantRowParallelLinear`` are megatron's ``ColumnParallelLinear`` and
+``RowParallelLinear`` with ONE method replaced, ``_forward_impl`` (the GEMM megatron calls between its own
+communication). They take megatron's constructor arguments plus three keyword-only extras, so a
+``ModuleSpec(module=QuantColumnParallelLinear, params={"recipe": ..., "layer_name": ..., "seed": ...})``
+builds them through ``build_module``:
+
+    recipe      the layer's precision (default: bf16)
+    layer_name  the name in the layer precision map (``"12.mlp.fc1"``), used in errors and telemetry
+    seed        the stochastic-rounding seed, mixed with the layer name so layers draw different bits
+
+Communication is megatron's, exactly:
+
+- column layer: megatron's own ``_forward_impl`` all-gathers the sequence-parallel input in forward and
+  all-reduces (or reduce-scatters, under sequence parallelism) the input gradient in backward. The quantized
+  path does the same with megatron's autograd-aware mappings around :func:`quantized_linear`:
+  ``gather_from_sequence_parallel_region`` (forward all-gather, backward reduce-scatter) or
+  ``copy_to_tensor_model_parallel_region`` (backward all-reduce). The reductions stay in the activation
+  dtype (bf16), RECIPE §4.
+- row layer: the all-reduce / reduce-scatter of the output happens in megatron's ``forward`` after
+  ``_forward_impl``; nothing to do here (megatron passes ``tp_group=None``: the layer's own group is used).
+
+Every per-tensor NVFP4 / FP8 amax is all-reduced with MAX over the layer's TP group (``LinearContext.
+amax_group``), so the scales are those of the unsharded tensor and the numerics do not depend on the TP size
+(block scales are local and shard boundaries fall on block boundaries: the shape checks below ensure it).
+
+An all-bf16 recipe runs megatron's original ``_forward_impl`` (bitwise the stock layer). Parameter names and
+state-dict keys are the stock ones: precision is not part of a checkpoint, and :meth:`set_recipe` changes it
+in place (the late switch to bf16, paper App. D). Gradient-accumulation fusion is not supported.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.utils import get_pg_size
+
+from nvfp4_train.precision.linear import LinearContext, quantized_linear
+from nvfp4_train.precision.recipe import BF16, GEMM_ROLES, QuantRecipe
+from nvfp4_train.precision.telemetry import LayerTelemetry, probe_input_grad
+
+__all__ = [
+    "QuantColumnParallelLinear",
+    "QuantRowParallelLinear",
+    "recipe_shape_problems",
+    "token_block",
+    "check_recipe_shape",
+]
+
+# (role, operand index) -> (operand name, which weight dims are [rows, reduction]) for the weight-shaped dims;
+# see recipe.py: fprop A = x [M,K], B = W [N,K]; dgrad A = dy [M,N], B = Wᵀ [K,N]; wgrad A = dyᵀ [N,M],
+# B = xᵀ [K,M]. "M" is the token count, known only at run time.
+_OPERAND_DIMS = {
+    ("fprop", 0): ("x", "M", "K"),
+    ("fprop", 1): ("W", "N", "K"),
+    ("dgrad", 0): ("dy", "M", "N"),
+    ("dgrad", 1): ("Wᵀ", "K", "N"),
+    ("wgrad", 0): ("dyᵀ", "N", "M"),
+    ("wgrad", 1): ("xᵀ", "K", "M"),
+}
+
+
+def _dim_problems(recipe: QuantRecipe, sizes: dict[str, int]) -> list[str]:
+    problems = []
+    for role in GEMM_ROLES:
+        g = getattr(recipe, role)
+        for i, cast in enumerate((g.a, g.b)):
+            if not cast.quantized or cast.block is None:
+                continue
+            name, rows, red = _OPERAND_DIMS[(role, i)]
+            for dim, blk in ((red, cast.block[1]), (rows, cast.block[0])):
+                if blk > 1 and dim in sizes and sizes[dim] % blk != 0:
+                    problems.append(
+                        f"{role} {name}: {dim}={sizes[dim]} is not a multiple of {blk} "
+                        f"({cast.format} {cast.block[0]}x{cast.block[1]} blocks)"
+                    )
+    return list(dict.fromkeys(problems))
+
+
+def recipe_shape_problems(recipe: QuantRecipe, out_features: int, in_features: int) -> list[str]:
+    """Why ``recipe`` cannot run a (per-rank) weight [N=out_features, K=in_features]; empty if it can."""
+    return _dim_problems(recipe, {"N": out_features, "K": in_features})
+
+
+def token_block(recipe: QuantRecipe) -> int:
+    """The multiple the token count M must be (the wgrad operands are blocked along M)."""
+    b = 1
+    for cast in (recipe.wgrad.a, recipe.wgrad.b):
+        if cast.quantized and cast.block is not None:
+            b = max(b, cast.block[1])
+    return b
+
+
+def check_recipe_shape(recipe: QuantRecipe, out_features: int, in_features: int, layer_name: str) -> None:
+    """ValueError naming the layer, the shape and the fix when ``recipe`` cannot take the weight."""
+    problems = recipe_shape_problems(recipe, out_features, in_features)
+    if problems:
+        raise ValueError(
+            f"layer {layer_name or '<unnamed>'!r}: recipe {recipe.name!r} cannot take its weight "
+            f"[N={out_features}, K={in_features}] (per tensor-parallel rank): " + "; ".join(problems) + ". "
+            f"Keep this layer in bf16 with a precision rule (precision.rules: [{{roles: <its role>, "
+            f"blocks: <its block>, recipe: bf16}}]) or change the model/TP sizes so the dims divide."
+        )
+
+
+def _layer_seed(seed: int, layer_name: str) -> int:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
+    return (seed * 0x9E3779B1 + zlib.crc32(layer_name.encode())) & 0xFFFFFFFF
+
+
+class _QuantLayer:
+    """What both layers share: the recipe, its LinearContext, telemetry (mixed into the megatron class)."""
+
+    layer_name: str
+    lctx: LinearContext
+    quant_telemetry: LayerTelemetry
+
+    def _init_quant(self, recipe: QuantRecipe, layer_name: str, seed: int, out_f: int, in_f: int) -> None:
+        if not isinstance(recipe, QuantRecipe):
+            raise TypeError(f"layer {layer_name!r}: recipe must be a QuantRecipe, got {type(recipe).__name__}")
+        if not isinstance(layer_name, str):
+            raise TypeError(f"layer_name must be a str, got {type(layer_name).__name__}")
+        self.layer_name = layer_name
+        self._weight_shape = (out_f, in_f)
+        check_recipe_shape(recipe, out_f, in_f, layer_name)
+        group = self.tp_group if get_pg_size(self.tp_group) > 1 else None
+        self.lctx = LinearContext(recipe=recipe, seed=_layer_seed(seed, layer_name), amax_group=group)
+        self.quant_telemetry = LayerTelemetry()
+
+    @property
+    def recipe(self) -> QuantRecipe:
+        return self.lctx.recipe
+
+    def set_recipe(self, recipe: QuantRecipe) -> None:
+        """Run ``recipe`` from the next forward on (parameters untouched; the cached weight copies dropped)."""
+        if not isinstance(recipe, QuantRecipe):
+            raise TypeError(f"layer {self.layer_name!r}: recipe must be a QuantRecipe, got {type(recipe).__name__}")
+        check_recipe_shape(recipe, *self._weight_shape, self.layer_name)
+        self.lctx.recipe = recipe
+        self.lctx.weight_cache.clear()
+
+    def set_telemetry(self, enabled: bool) -> None:
+        """Record operand statistics on every GEMM from now on (True) or stop (False: zero cost)."""
+        self.lctx.telemetry = self.quant_telemetry if enabled else None
+        if not enabled:
+            self.quant_telemetry.clear_stats()
+
+    def _check_tokens(self, x: torch.Tensor) -> None:
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        b = token_block(self.lctx.recipe)
+        if m % b != 0:
+            raise ValueError(
+                f"layer {self.layer_name or '<unnamed>'!r}: recipe {self.lctx.recipe.name!r} quantizes the "
+                f"weight-gradient operands in blocks of {b} along the tokens, but this batch has "
+                f"M={m} tokens (input shape {tuple(x.shape)}): make sequence length x micro-batch size a "
+                f"multiple of {b}, or keep this layer in bf16 with a precision rule"
+            )
+
+    def _quant_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias, grad_output_buffer) -> torch.Tensor:
+        if grad_output_buffer is not None:
+            raise ValueError(
+                f"layer {self.layer_name!r}: deferred embedding wgrad (defer_embedding_wgrad_compute) is not "
+                f"supported by the quantized layers: turn it off or keep this layer in bf16"
+            )
+        self._check_tokens(x)
+        return quantized_linear(x, weight, bias, self.lctx)
+
+
+def _refuse_grad_accum_fusion(config, layer_name: str) -> None:
+    if getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            f"layer {layer_name!r}: gradient_accumulation_fusion=True is not supported by the quantized "
+            f"linear layers (their weight gradient is returned as .grad, not accumulated into main_grad): "
+            f"set gradient_accumulation_fusion=False in the model config"
+        )
+
+
+class QuantColumnParallelLinear(_QuantLayer, ColumnParallelLinear):
+    """megatron's ColumnParallelLinear (weight [N/tp, K]) with its GEMMs under ``recipe``."""
+
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        recipe: QuantRecipe = BF16,
+        layer_name: str = "",
+        seed: int = 0,
+        **kwargs,
+    ):
+        _refuse_grad_accum_fusion(config, layer_name)
+        ColumnParallelLinear.__init__(self, input_size, output_size, config=config, init_method=init_method,
+                                      **kwargs)
+        self._init_quant(recipe, layer_name, seed, self.output_size_per_partition, self.input_size)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        tel = self.quant_telemetry
+        input = probe_input_grad(input, tel)
+        if self.lctx.recipe.is_bf16:
+            y = super()._forward_impl(input, weight, *args, **kwargs)
+        else:
+            y = self._quantized_forward(input, weight, **kwargs)
+        tel.check_output(y)
+        return y
+
+    def _quantized_forward(self, input, weight, *, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                           sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None,
+                           tp_group=None):
+        assert not gradient_accumulation_fusion, "refused at construction"
+        group = tp_group if tp_group is not None else self.tp_group
+        if sequence_parallel:
+            # forward: all-gather the sequence shards; backward: reduce-scatter the input gradient
+            x = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=group)
+        elif allreduce_dgrad:
+            # forward: identity; backward: all-reduce the input gradient
+            x = copy_to_tensor_model_parallel_region(input, group=group)
+        else:
+            x = input
+        return self._quant_gemm(x, weight, bias, grad_output_buffer)
+
+
+class QuantRowParallelLinear(_QuantLayer, RowParallelLinear):
+    """megatron's RowParallelLinear (weight [N, K/tp]) with its GEMMs under ``recipe``."""
+
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        recipe: QuantRecipe = BF16,
+        layer_name: str = "",
+        seed: int = 0,
+        **kwargs,
+    ):
+        _refuse_grad_accum_fusion(config, layer_name)
+        RowParallelLinear.__init__(self, input_size, output_size, config=config, init_method=init_method,
+                                   **kwargs)
+        self._init_quant(recipe, layer_name, seed, self.output_size, self.input_size_per_partition)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        tel = self.quant_telemetry
+        input = probe_input_grad(input, tel)
+        if self.lctx.recipe.is_bf16:
+            y = super()._forward_impl(input, weight, *args, **kwargs)
+        else:
+            # megatron calls this with allreduce_dgrad=False, sequence_parallel=False, tp_group=None: the
+            # output reduction follows in RowParallelLinear.forward; the amax group is self.tp_group
+            assert not kwargs.get("allreduce_dgrad") and not kwargs.get("sequence_parallel")
+            y = self._quant_gemm(input, weight, kwargs.get("bias"), kwargs.get("grad_output_buffer"))
+        tel.check_output(y)
+        return y

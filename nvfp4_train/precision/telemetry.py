@@ -1,0 +1,227 @@
+"""Per-layer quantization telemetry and non-finite tracking for the quantized linear layers.
+
+Telemetry (switched on by the trainer every N steps with :func:`set_telemetry`): for each quantized operand
+of the three GEMMs of a layer (RECIPE §3) it records
+
+    operand        tensor quantized                                   (reduction along its last dim)
+    fprop.x        x   [M,K]
+    fprop.W        W   [N,K]
+    dgrad.dy       dy  [M,N]
+    wgrad.x_col    xᵀ  [K,M]   (Hadamard-mixed along M when the recipe says so)
+    wgrad.dy_col   dyᵀ [N,M]   (likewise)
+
+three numbers: ``zero`` the share of zero codes (±0), ``saturated`` the share of values at the format's
+largest magnitude (E2M1 ±6 for nvfp4/mxfp4, E4M3 ±448 for fp8), and ``sqnr_db`` = 10·log10(Σx² / Σ(x−x̂)²),
+x̂ the dequantized operand and x the high-precision tensor the quantizer received (for an RHT operand, the
+Hadamard-mixed tensor, rounded to the input dtype as the quantizer does; +inf when x̂ = x). When telemetry
+is off the layer's ``LinearContext.telemetry`` is ``None`` and nothing is computed. The numbers stay device
+tensors until :func:`collect_telemetry` reads them (one host sync, at the trainer's reporting step). With
+several micro-batches per step the last call's numbers are kept.
+
+Non-finite tracking (on by default, :func:`set_nonfinite_check`): every layer checks its forward output and
+the gradient of its input with one max-reduction each and keeps, on the device, the time (a global call
+counter) of its first non-finite value. No host sync happens until :func:`first_nonfinite_layer` is asked:
+it names the layer that went non-finite first, in forward or backward. :func:`reset_nonfinite` clears it.
+
+The layers (``nvfp4_train.precision.megatron_linear``) carry a :class:`LayerTelemetry` as
+``quant_telemetry``; the functions here walk any module tree for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from nvfp4_train.precision.operand import Operand
+from nvfp4_train.precision.recipe import OperandCast
+
+__all__ = [
+    "OPERAND_NAMES",
+    "STAT_NAMES",
+    "LayerTelemetry",
+    "operand_stats",
+    "set_telemetry",
+    "collect_telemetry",
+    "set_nonfinite_check",
+    "first_nonfinite_layer",
+    "nonfinite_events",
+    "reset_nonfinite",
+]
+
+OPERAND_NAMES = ("fprop.x", "fprop.W", "dgrad.dy", "wgrad.x_col", "wgrad.dy_col")
+STAT_NAMES = ("zero", "saturated", "sqnr_db")
+
+_NEVER = 2**62  # the "no non-finite value seen" time
+_clock = itertools.count()  # one global order of forward and backward calls, across layers
+
+
+def _codes_fp4(codes_packed: torch.Tensor) -> torch.Tensor:
+    from kernels.fp4_reference import unpack_nibbles
+
+    return unpack_nibbles(codes_packed) & 7  # magnitude code: 0 is ±0, 7 is ±6
+
+
+def _dequantize(op: Operand) -> torch.Tensor:
+    if op.format == "nvfp4":
+        from kernels.nvfp4 import dequantize_nvfp4
+
+        return dequantize_nvfp4(op.data)
+    if op.format == "mxfp4":
+        from kernels.mxfp4 import dequantize_mxfp4
+
+        return dequantize_mxfp4(op.data)
+    if op.format == "fp8_e4m3":
+        from kernels.fp8 import dequantize_fp8
+
+        return dequantize_fp8(op.data)
+    raise ValueError(f"no telemetry for operand format {op.format!r}")
+
+
+def _high_precision_input(source: torch.Tensor, cast: OperandCast) -> torch.Tensor:
+    """What the quantizer received, as float64: the source, Hadamard-mixed (and rounded to the source dtype,
+    as operand.cast_one / the kernels do) when the cast has RHT."""
+    if cast.hadamard:
+        from kernels.nvfp4.reference import hadamard16_ref
+
+        return hadamard16_ref(source).to(torch.float64)
+    return source.to(torch.float64)
+
+
+def operand_stats(source: torch.Tensor, cast: OperandCast, op: Operand) -> torch.Tensor:
+    """float64 [3] on the source's device: (zero share, saturated share, SQNR in dB) of ``op``, the cast of
+    the 2-D tensor ``source`` (reduction along its last dim) under ``cast``."""
+    if op.format in ("nvfp4", "mxfp4"):
+        mag = _codes_fp4(op.data.codes)
+        zero, sat = mag == 0, mag == 7
+    elif op.format == "fp8_e4m3":
+        mag = op.data.data.view(torch.uint8) & 0x7F
+        zero, sat = mag == 0, mag == 0x7E  # 0x7E = 448, the E4M3 max (0x7F is NaN)
+    else:
+        raise ValueError(f"no telemetry for operand format {op.format!r}")
+    n = mag.numel()
+    x = _high_precision_input(source, cast)
+    deq = _dequantize(op).to(torch.float64)
+    signal = (x * x).sum()
+    noise = ((x - deq) ** 2).sum()
+    # noise 0 -> +inf (exact), including an all-zero tensor; NaN operands give NaN
+    sqnr = torch.where(noise == 0, torch.full_like(noise, float("inf")), 10 * torch.log10(signal / noise))
+    return torch.stack((zero.sum().to(torch.float64) / n, sat.sum().to(torch.float64) / n, sqnr))
+
+
+class LayerTelemetry:
+    """One layer's telemetry recorder and non-finite tracker (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, torch.Tensor] = {}
+        self.check_nonfinite = True
+        self.forward_bad: torch.Tensor | None = None  # int64 0-d: clock time of the first non-finite output
+        self.backward_bad: torch.Tensor | None = None  # ... of the first non-finite input gradient
+
+    # -- telemetry: called by QuantLinearFunction through LinearContext.telemetry
+    def record(self, name: str, source: torch.Tensor, cast: OperandCast, op: Operand | None) -> None:
+        if op is None or not cast.quantized:
+            return
+        self.stats[name] = operand_stats(source.detach(), cast, op)
+
+    def clear_stats(self) -> None:
+        self.stats.clear()
+
+    # -- non-finite tracking
+    @staticmethod
+    def _first_bad(prev: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+        # max |t| is NaN or inf exactly when t holds a NaN or ±inf (one reduction, no host sync)
+        bad = ~torch.isfinite(torch.linalg.vector_norm(t.detach(), float("inf")))
+        now = torch.where(bad, next(_clock), _NEVER)
+        return now if prev is None else torch.minimum(prev, now)
+
+    def check_output(self, y: torch.Tensor) -> None:
+        if self.check_nonfinite:
+            self.forward_bad = self._first_bad(self.forward_bad, y)
+
+    def check_input_grad(self, g: torch.Tensor) -> None:
+        if self.check_nonfinite:
+            self.backward_bad = self._first_bad(self.backward_bad, g)
+
+    def reset_nonfinite(self) -> None:
+        self.forward_bad = self.backward_bad = None
+
+
+class _InputGradProbe(torch.autograd.Function):
+    """Identity in forward; in backward, reports the incoming gradient (the layer's input gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tel: LayerTelemetry) -> torch.Tensor:
+        ctx.tel = tel
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ctx.tel.check_input_grad(g)
+        return g, None
+
+
+def probe_input_grad(x: torch.Tensor, tel: LayerTelemetry) -> torch.Tensor:
+    """``x`` itself, with the gradient flowing back through it checked for non-finite values."""
+    if not tel.check_nonfinite or not x.requires_grad:
+        return x
+    return _InputGradProbe.apply(x, tel)
+
+
+def _layers(model: torch.nn.Module):
+    """(name, layer) for every quantized layer in ``model``: its ``layer_name``, else its module path."""
+    for path, m in model.named_modules():
+        tel = getattr(m, "quant_telemetry", None)
+        if isinstance(tel, LayerTelemetry):
+            yield (getattr(m, "layer_name", "") or path), m
+
+
+def set_telemetry(model: torch.nn.Module, enabled: bool) -> None:
+    """Switch operand telemetry on or off for every quantized layer in ``model``."""
+    for _, m in _layers(model):
+        m.set_telemetry(enabled)
+
+
+def collect_telemetry(model: torch.nn.Module) -> dict[str, dict[str, dict[str, float]]]:
+    """``{layer_name: {operand: {"zero", "saturated", "sqnr_db"}}}`` for the layers that recorded anything
+    since their telemetry was switched on (one host sync)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, m in _layers(model):
+        stats = m.quant_telemetry.stats
+        if stats:
+            out[name] = {
+                op: dict(zip(STAT_NAMES, (float(v) for v in t.tolist()))) for op, t in stats.items()
+            }
+    return out
+
+
+def set_nonfinite_check(model: torch.nn.Module, enabled: bool) -> None:
+    """Switch the per-layer non-finite check on (the default) or off."""
+    for _, m in _layers(model):
+        m.quant_telemetry.check_nonfinite = enabled
+
+
+def nonfinite_events(model: torch.nn.Module) -> list[tuple[int, str, str]]:
+    """Every layer that saw a non-finite value since the last reset, as (time, layer_name, "forward" |
+    "backward"), earliest first (one host sync)."""
+    events = []
+    for name, m in _layers(model):
+        tel = m.quant_telemetry
+        for where, t in (("forward", tel.forward_bad), ("backward", tel.backward_bad)):
+            if t is not None:
+                when = int(t)
+                if when != _NEVER:
+                    events.append((when, name, where))
+    return sorted(events)
+
+
+def first_nonfinite_layer(model: torch.nn.Module) -> str | None:
+    """The name of the layer whose output (forward) or input gradient (backward) went non-finite first since
+    the last :func:`reset_nonfinite`, or None."""
+    events = nonfinite_events(model)
+    return events[0][1] if events else None
+
+
+def reset_nonfinite(model: torch.nn.Module) -> None:
+    for _, m in _layers(model):
+        m.quant_telemetry.reset_nonfinite()
