@@ -1,0 +1,199 @@
+"""The megatron quantized layers at TP=1: bf16 is the stock layer bit for bit; nvfp4 computes the dequantized
+product of RECIPE §3's operands; set_recipe keeps the parameters; shapes a recipe cannot take are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from kernels.nvfp4.reference import dequantize_nvfp4_ref, quantize_nvfp4_ref
+from nvfp4_train.precision.megatron_linear import (
+    QuantColumnParallelLinear,
+    QuantRowParallelLinear,
+    recipe_shape_problems,
+    token_block,
+)
+from nvfp4_train.precision.recipe import BF16, Ablations, apply_ablations, named_recipe
+from tests.precision.mcore_util import column, config, megatron_single_rank, row
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mcore():
+    with megatron_single_rank():
+        yield
+
+
+def _pair(cls_col, cls_row, cfg, bias, **extra):
+    fc1 = column(cls_col, 64, 128, cfg, bias=bias, **extra.get("fc1", {}))
+    fc2 = row(cls_row, 128, 64, cfg, bias=bias, **extra.get("fc2", {}))
+    return fc1, fc2
+
+
+def _copy_params(dst, src):
+    with torch.no_grad():
+        for (nd, pd), (ns, ps) in zip(dst.named_parameters(), src.named_parameters(), strict=True):
+            assert nd == ns
+            pd.copy_(ps)
+
+
+def _run(fc1, fc2, x, dy):
+    for p in (*fc1.parameters(), *fc2.parameters()):
+        p.grad = None
+    x = x.detach().clone().requires_grad_()
+    h, _ = fc1(x)
+    y, _ = fc2(torch.relu(h))
+    y.backward(dy)
+    return y, x.grad, [p.grad.clone() for p in (*fc1.parameters(), *fc2.parameters())]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_is_the_stock_layer_bitwise(gen, bias):
+    cfg = config()
+    stock = _pair(ColumnParallelLinear, RowParallelLinear, cfg, bias)
+    ours = _pair(QuantColumnParallelLinear, QuantRowParallelLinear, cfg, bias)
+    for a, b in zip(ours, stock):
+        assert list(a.state_dict()) == list(b.state_dict())
+        assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
+        _copy_params(a, b)
+        with torch.no_grad():
+            if bias:
+                b.bias.normal_(generator=gen)
+                a.bias.copy_(b.bias)
+    x = torch.randn(16, 2, 64, generator=gen).bfloat16()
+    dy = torch.randn(16, 2, 64, generator=gen).bfloat16()
+    y0, gx0, gp0 = _run(*stock, x, dy)
+    y1, gx1, gp1 = _run(*ours, x, dy)
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert all(torch.equal(a, b) for a, b in zip(gp0, gp1, strict=True))
+
+
+def test_build_module_from_spec_params():
+    cfg = config()
+    nv = named_recipe("nvfp4")
+    spec = ModuleSpec(module=QuantColumnParallelLinear, params={"recipe": nv, "layer_name": "3.mlp.fc1", "seed": 7})
+    fc1 = build_module(spec, 64, 128, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                       gather_output=False, skip_bias_add=True)
+    assert isinstance(fc1, ColumnParallelLinear) and fc1.recipe is nv and fc1.layer_name == "3.mlp.fc1"
+    spec = ModuleSpec(module=QuantRowParallelLinear, params={"recipe": nv, "layer_name": "3.mlp.fc2"})
+    fc2 = build_module(spec, 128, 64, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                       input_is_parallel=True, skip_bias_add=True)
+    assert isinstance(fc2, RowParallelLinear) and fc2.recipe is nv
+    # different layers draw different stochastic-rounding bits from the same run seed
+    assert fc1.lctx.seed != build_module(
+        ModuleSpec(module=QuantColumnParallelLinear, params={"recipe": nv, "layer_name": "4.mlp.fc1", "seed": 7}),
+        64, 128, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+    ).lctx.seed
+
+
+def _pow2_scaled(gen, shape, top: float, cap: float) -> torch.Tensor:
+    """Random bf16 values with |v| <= cap < top and one element equal to ``top``: ``top = 2688 * 2^k`` makes
+    the NVFP4 tensor scale amax/2688 a power of two."""
+    t = (torch.randn(shape, generator=gen) * cap / 3).clamp(-cap, cap).bfloat16()
+    t.view(-1)[0] = top
+    return t
+
+
+@pytest.mark.parametrize("cls", [QuantColumnParallelLinear, QuantRowParallelLinear])
+def test_nvfp4_forward_is_the_dequantized_product(gen, cls):
+    """y == bf16(deq(Q1x16(x)) @ deq(Q16x16(W))ᵀ) exactly. Why exact: with both tensor amaxes 2688·2^k
+    (2.625 = 2688·2^-10, 0.08203125 = 2688·2^-15, both bf16 values) the tensor scales and alpha are powers of
+    two, so dequantized values q·sdec·2^k are exact in fp32, their float64 products (<= 12 significant bits)
+    and sums are exact, and the layer's GEMM (fp64 sum -> fp32, times alpha, -> bf16) rounds the same
+    number the same two times as the right-hand side (fp64 -> fp32 -> bf16)."""
+    cfg = config()
+    layer = (column if cls is QuantColumnParallelLinear else row)(cls, 64, 48, cfg,
+                                                                    recipe=named_recipe("nvfp4"))
+    with torch.no_grad():
+        layer.weight.copy_(_pow2_scaled(gen, (48, 64), 2688 * 2.0**-15, 0.08))
+    x = _pow2_scaled(gen, (8, 4, 64), 2.625, 2.5)
+    y, _ = layer(x)
+    qx = quantize_nvfp4_ref(x.reshape(-1, 64))
+    qw = quantize_nvfp4_ref(layer.weight.detach(), block_2d=True)
+    assert float(qx.amax) == 2.625 and float(qw.amax) == 2688 * 2.0**-15
+    expect = (dequantize_nvfp4_ref(qx).double() @ dequantize_nvfp4_ref(qw).double().t()).float().bfloat16()
+    assert torch.equal(y, expect.view(8, 4, 48))
+    # and the quantized path really ran: the product differs from the bf16 layer's
+    assert not torch.equal(y, torch.matmul(x, layer.weight.t()))
+
+
+def test_set_recipe_keeps_parameters_and_switches_numerics(gen):
+    cfg = config()
+    nv = named_recipe("nvfp4")
+    fc1, fc2 = _pair(QuantColumnParallelLinear, QuantRowParallelLinear, cfg, True,
+                     fc1={"recipe": nv, "layer_name": "fc1"}, fc2={"recipe": nv, "layer_name": "fc2"})
+    stock = _pair(ColumnParallelLinear, RowParallelLinear, cfg, True)
+    for a, b in zip(stock, (fc1, fc2)):
+        a.load_state_dict(b.state_dict(), strict=True)  # same keys: checkpoints are precision-free
+    x = torch.randn(16, 2, 64, generator=gen).bfloat16()
+    dy = torch.randn(16, 2, 64, generator=gen).bfloat16()
+    before = {k: v.clone() for m in (fc1, fc2) for k, v in m.state_dict(prefix=m.layer_name + ".").items()
+              if v is not None}
+    y_nv, _, _ = _run(fc1, fc2, x, dy)
+    for m in (fc1, fc2):
+        m.set_recipe(BF16)
+        assert m.recipe is BF16 and m.lctx.weight_cache.key is None
+    after = {k: v for m in (fc1, fc2) for k, v in m.state_dict(prefix=m.layer_name + ".").items() if v is not None}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    y_bf, gx_bf, gp_bf = _run(fc1, fc2, x, dy)
+    y_st, gx_st, gp_st = _run(*stock, x, dy)
+    assert torch.equal(y_bf, y_st) and torch.equal(gx_bf, gx_st)
+    assert all(torch.equal(a, b) for a, b in zip(gp_bf, gp_st, strict=True))
+    assert not torch.equal(y_nv, y_bf)
+    # and back: the same numbers as before the switch (forward uses RNE only: deterministic)
+    for m in (fc1, fc2):
+        m.set_recipe(nv)
+    y_nv2, _, _ = _run(fc1, fc2, x, dy)
+    assert torch.equal(y_nv, y_nv2)
+
+
+@pytest.mark.parametrize(
+    "recipe, n, k, words",
+    [
+        ("nvfp4", 40, 64, ["N=40", "multiple of 16"]),
+        ("nvfp4", 64, 72, ["K=72", "multiple of 16"]),
+        ("mxfp4", 48, 64, ["N=48", "multiple of 32"]),
+        ("fp8", 64, 256, ["N=64", "multiple of 128"]),
+        ("fp8", 128, 200, ["K=200", "multiple of 128"]),
+    ],
+)
+def test_bad_shapes_are_refused_at_construction(recipe, n, k, words):
+    cfg = config()
+    r = named_recipe(recipe)
+    with pytest.raises(ValueError) as e:
+        column(QuantColumnParallelLinear, k, n, cfg, recipe=r, layer_name="7.mlp.fc1")
+    msg = str(e.value)
+    for w in ["'7.mlp.fc1'", f"[N={n}, K={k}]", "bf16", recipe, *words]:
+        assert w in msg, (w, msg)
+    # the same layer builds in bf16, and set_recipe refuses the recipe too
+    layer = column(QuantColumnParallelLinear, k, n, cfg, layer_name="7.mlp.fc1")
+    with pytest.raises(ValueError, match="7.mlp.fc1"):
+        layer.set_recipe(r)
+    assert layer.recipe is BF16
+
+
+def test_shape_rules():
+    # per-tensor fp8 takes any shape; every fp4 operand block must divide its dims
+    assert recipe_shape_problems(named_recipe("fp8_tensorwise"), 7, 13) == []
+    assert recipe_shape_problems(named_recipe("nvfp4"), 48, 32) == []
+    assert recipe_shape_problems(named_recipe("mxfp4"), 32, 96) == []
+    # the 1-D-weight ablation still blocks W along N (dgrad's Wᵀ is blocked along N)
+    w1d = apply_ablations(named_recipe("nvfp4"), Ablations(weight_2d=False))
+    assert any("N=24" in p for p in recipe_shape_problems(w1d, 24, 32))
+    assert [token_block(named_recipe(r)) for r in ("bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4")] == [
+        1, 128, 1, 16, 32]
+
+
+def test_token_count_checked_at_forward(gen):
+    layer = column(QuantColumnParallelLinear, 64, 32, config(), recipe=named_recipe("nvfp4"), layer_name="L")
+    with pytest.raises(ValueError, match=r"'L'.*M=12 tokens.*multiple of 16"):
+        layer(torch.randn(6, 2, 64, generator=gen).bfloat16())
+
+
+def test_gradient_accumulation_fusion_refused():
+    cfg = config(gradient_accumulation_fusion=True)
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
+        column(QuantColumnParallelLinear, 64, 32, cfg, layer_name="L")
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
+        row(QuantRowParallelLinear, 64, 32, cfg, layer_name="L")
