@@ -73,8 +73,11 @@ def _noop(*_args, **_kwargs) -> None:
     return None
 
 
-def _current_device() -> int:
-    return 0
+def _current_device() -> torch.device:
+    # megatron passes this as ``device=``. A TorchFunctionMode is thread-local state that autograd does not
+    # carry into backward, so tensors created in a backward pass (e.g. the column layer's reduce-scatter
+    # buffer) would see a raw 0 (= cuda:0); the CPU device itself works with or without the mode.
+    return torch.device("cpu")
 
 
 def _get_rng_state(device="cuda") -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""Build the hybrid model of one pipeline stage on megatron-core: ``transformer_config`` maps our
+:class:`~models.config.ModelConfig` (+ parallel sizes) to megatron's ``TransformerConfig``; ``build_model``
+builds :class:`~models.hybrid.HybridModel` with every linear layer's recipe resolved by the layer
+precision map. This module and ``models.hybrid`` are the only places that talk to megatron-core's model
+classes (a megatron upgrade touches them and nothing else)."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from models.config import ModelConfig
+from models.hybrid import HybridModel, HybridStack
+from models.pattern import HybridPattern
+from nvfp4_train.precision.layer_map import LayerPrecisionMap
+
+__all__ = ["transformer_config", "stage_pattern", "build_model"]
+
+
+def _activation(name: str):
+    import torch.nn.functional as F
+    from megatron.core.activations import squared_relu
+
+    return {"squared_relu": (squared_relu, False), "swiglu": (F.silu, True), "gelu": (F.gelu, False)}[name]
+
+
+def stage_pattern(model_cfg: ModelConfig, pp: int) -> HybridPattern:
+    """The pattern split into ``pp`` stages: as written when it has ``|`` boundaries (then their count must
+    match), else split into near-equal block counts."""
+    pattern = model_cfg.hybrid_pattern()
+    if pp > 1 and pattern.num_stages == 1:
+        return HybridPattern.parse(pattern.even_split(pp), num_layers=model_cfg.num_layers, pp_size=pp)
+    return model_cfg.hybrid_pattern(pp_size=pp)
+
+
+def transformer_config(
+    model_cfg: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.bfloat16,
+    use_cpu_initialization: bool | None = None,
+) -> TransformerConfig:
+    """megatron-core's ``TransformerConfig`` for ``model_cfg`` (dropout 0, no fused CUDA-only kernels, no
+    Transformer Engine: our quantized layers replace its linear layers)."""
+    if sequence_parallel and tp == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards the sequence over TP)")
+    act, gated = _activation(model_cfg.activation)
+    stages = stage_pattern(model_cfg, pp).stage_sizes()
+    first = last = None
+    if pp > 1 and len(set(stages)) > 1:  # megatron knows uneven first/last stages; middle ones must agree
+        first, last = stages[0], stages[-1]
+        if len(set(stages[1:-1])) > 1:
+            raise ValueError(f"pipeline stages of {stages} blocks: megatron-core supports a different first and "
+                             f"last stage only; make the middle stages equal")
+    heads = model_cfg.num_attention_heads or 1  # a pattern without attention still needs a valid config
+    cfg = TransformerConfig(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=model_cfg.num_query_groups or heads,
+        kv_channels=model_cfg.kv_channels or model_cfg.hidden_size // heads,
+        activation_func=act,
+        gated_linear_unit=gated,
+        normalization="RMSNorm",
+        layernorm_epsilon=model_cfg.norm_epsilon,
+        add_bias_linear=model_cfg.add_bias_linear,
+        init_method_std=model_cfg.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=(not torch.cuda.is_available()) if use_cpu_initialization is None
+        else use_cpu_initialization,
+        mamba_state_dim=model_cfg.mamba_state_dim,
+        mamba_head_dim=model_cfg.mamba_head_dim or 64,
+        mamba_num_groups=model_cfg.mamba_num_groups,
+        mamba_num_heads=model_cfg.mamba_num_heads,
+    )
+    return cfg
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    layer_map: LayerPrecisionMap,
+    *,
+    config: TransformerConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    seed: int = 0,
+    seq_length: int = 4096,
+    pg_collection: ProcessGroupCollection | None = None,
+) -> HybridModel:
+    """The model of this rank's pipeline stage (megatron's parallel state must be initialised).
+
+    ``layer_map`` must be resolved for ``model_cfg.pattern``; ``seed`` seeds the stochastic-rounding streams of
+    the quantized layers (weights are initialised from the RNG state at call time, as megatron does).
+    """
+    if layer_map.num_blocks != model_cfg.num_layers:
+        raise ValueError(f"layer precision map covers {layer_map.num_blocks} blocks, model has {model_cfg.num_layers}")
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pattern = stage_pattern(model_cfg, config.pipeline_model_parallel_size)
+    stack = ModuleSpec(module=HybridStack, params=dict(model_cfg=model_cfg, layer_map=layer_map, pattern=pattern,
+                                                       seed=seed))
+    model = HybridModel(
+        config=config,
+        mamba_stack_spec=stack,
+        vocab_size=model_cfg.vocab_size,
+        max_sequence_length=seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=model_cfg.position_embedding,
+        rotary_base=int(model_cfg.rotary_base),
+        pg_collection=pg_collection,
+    )
+    model.model_cfg = model_cfg
+    return model

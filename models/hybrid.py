@@ -1,0 +1,175 @@
+"""The hybrid Mamba-Transformer on megatron-core: block specs, the stack of one pipeline stage, the model.
+
+The model is megatron-core's ``MambaModel`` (embedding, optional RoPE, output layer, loss, pipeline hooks)
+with its ``mamba_stack_spec`` slot filled by :class:`HybridStack`, our stack of the blocks of one pipeline
+stage. Each block is built from a ``ModuleSpec``:
+
+==========  =========================================================================================
+``*``        megatron's ``TransformerLayer`` with ``input_layernorm`` + ``SelfAttention`` (causal,
+             local ``DotProductAttention``) and no MLP
+``-``        megatron's ``TransformerLayer`` with ``pre_mlp_layernorm`` + ``MLP`` and no attention
+``M``        our :class:`models.mamba.mixer.MambaLayer` (RMSNorm + Mamba-2 mixer)
+==========  =========================================================================================
+
+Every linear slot (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, ``in_proj``,
+``out_proj``) is our quantized column/row-parallel layer, with the recipe the layer precision map resolved
+for its GLOBAL block index and role baked into the spec before anything is built. Layer names, and so
+checkpoint keys, are megatron's (``decoder.layers.<global block>.self_attention.linear_qkv.weight``, ...);
+they never encode precision, so precision can change at resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.mamba.mamba_model import MambaModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from models.config import ModelConfig
+from models.layers import RMSNorm, linear_spec
+from models.mamba.mixer import MambaLayer, MambaLayerSubmodules, MambaMixer, MambaMixerSubmodules
+from models.pattern import ATTENTION, MAMBA, MLP as MLP_KIND, HybridPattern
+from nvfp4_train.precision.layer_map import LayerPrecisionMap
+
+__all__ = ["block_spec", "HybridStack", "HybridModel"]
+
+
+def _seed(seed: int, block: int, slot: int) -> int:
+    return (seed * 1_000_003 + block * 16 + slot) & 0x7FFFFFFF
+
+
+def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPrecisionMap, seed: int = 0) -> ModuleSpec:
+    """The ``ModuleSpec`` of global block ``block`` of ``kind``, its linear layers' recipes resolved."""
+
+    def lin(kind_: str, role: str, slot: int) -> ModuleSpec:
+        return linear_spec(kind_, layer_map.recipe(block, role), f"blocks.{block}.{role}", _seed(seed, block, slot))
+
+    if kind == ATTENTION:
+        attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=lin("column", "attention.qkv", 0),
+                core_attention=DotProductAttention,
+                linear_proj=lin("row", "attention.proj", 1),
+                q_layernorm=IdentityOp,
+                k_layernorm=IdentityOp,
+            ),
+        )
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add))
+    if kind == MLP_KIND:
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=lin("column", "mlp.fc1", 2), linear_fc2=lin("row", "mlp.fc2", 3)))
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+    if kind == MAMBA:
+        mixer = ModuleSpec(
+            module=MambaMixer,
+            params=dict(
+                num_heads=model_cfg.mamba_num_heads, head_dim=model_cfg.mamba_head_dim,
+                num_groups=model_cfg.mamba_num_groups, state_dim=model_cfg.mamba_state_dim,
+                conv_kernel=model_cfg.mamba_conv_kernel, conv_bias=model_cfg.mamba_conv_bias,
+                chunk_size=model_cfg.mamba_chunk_size, norm_epsilon=model_cfg.norm_epsilon,
+            ),
+            submodules=MambaMixerSubmodules(in_proj=lin("column", "mamba.in_proj", 4),
+                                            out_proj=lin("row", "mamba.out_proj", 5)),
+        )
+        return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(norm=RMSNorm, mixer=mixer))
+    raise ValueError(f"unknown block kind {kind!r}")
+
+
+class HybridStack(MegatronModule):
+    """The blocks of one pipeline stage (+ the final norm on the last stage), ``[s, b, h] -> [s, b, h]``.
+
+    Built by megatron's ``MambaModel`` through its ``mamba_stack_spec`` slot (it passes ``pre_process``,
+    ``post_process``, ``pg_collection`` and its hybrid-ratio arguments, which our explicit pattern replaces).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        model_cfg: ModelConfig,
+        layer_map: LayerPrecisionMap,
+        pattern: HybridPattern,
+        seed: int = 0,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection: ProcessGroupCollection | None = None,
+        **_megatron_kwargs,
+    ) -> None:
+        super().__init__(config)
+        if pg_collection is None:
+            raise ValueError("HybridStack needs pg_collection (process groups are passed explicitly)")
+        self.pre_process, self.post_process = pre_process, post_process
+        stage = pg_collection.pp.rank()
+        if pattern.num_stages != pg_collection.pp.size():
+            raise ValueError(f"pattern {pattern.text!r} has {pattern.num_stages} stages, pipeline size is "
+                             f"{pg_collection.pp.size()}")
+        self.offset = pattern.stage_offsets[stage]
+        self.block_kinds = pattern.stages[stage]
+        self.layers = torch.nn.ModuleList(
+            build_module(block_spec(kind, self.offset + i, model_cfg, layer_map, seed), config=config,
+                         layer_number=i + 1, pg_collection=pg_collection)
+            for i, kind in enumerate(self.block_kinds)
+        )
+        self.final_norm = RMSNorm(config, config.hidden_size, config.layernorm_epsilon) if post_process else None
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        self.input_tensor = input_tensor
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **_unused) -> torch.Tensor:
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        for layer in self.layers:
+            out = layer(hidden_states=hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            hidden_states = out[0] if isinstance(out, tuple) else out
+        if self.final_norm is not None:
+            hidden_states = self.final_norm(hidden_states)
+        return hidden_states
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Checkpoint keys with GLOBAL block indices (``layers.<global>.``), so pipeline layouts reshard."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        sd = {}
+        for i, layer in enumerate(self.layers):
+            local, glob = f"{prefix}layers.{i}.", f"{prefix}layers.{self.offset + i}."
+            layer_sd = layer.sharded_state_dict(prefix=local, sharded_offsets=(), metadata=metadata)
+            replace_prefix_for_sharding(layer_sd, local, glob)
+            sd.update(layer_sd)
+        if self.final_norm is not None:
+            sd.update(sharded_state_dict_default(self.final_norm, f"{prefix}final_norm.", sharded_offsets, metadata))
+        return sd
+
+
+class HybridModel(MambaModel):
+    """megatron-core's ``MambaModel`` with our stack; adds the hooks the trainer uses."""
+
+    model_cfg: ModelConfig
+
+    def precision_layers(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """``(name, layer)`` of every quantized linear layer (each has ``set_recipe``/``recipe``)."""
+        for name, module in self.named_modules():
+            if hasattr(module, "set_recipe") and hasattr(module, "layer_name"):
+                yield name, module
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward) of the whole model, all stages."""
+        from models.flops import training_flops_per_token
+
+        return training_flops_per_token(self.model_cfg, seq_length)

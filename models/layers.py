@@ -1,0 +1,55 @@
+"""Small building blocks of the hybrid model that megatron-core's local (non-Transformer-Engine) spec lacks.
+
+- :class:`RMSNorm`: megatron's torch-norm wrapper refuses sequence parallelism; this one supports it the way
+  megatron expects: under SP each rank normalises its own sequence shard (the norm is per token), and the
+  weight carries ``sequence_parallel=True`` so that megatron's gradient finalisation all-reduces its
+  gradient over the tensor-parallel group (each rank saw only part of the tokens).
+- :func:`linear_spec`: the ``ModuleSpec`` of one quantized linear slot, with the recipe the layer precision
+  map resolved for (global block, role) baked into its params (quantization is a transform of the config
+  tree before the model is built; no module surgery afterwards).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+__all__ = ["RMSNorm", "linear_spec"]
+
+
+class RMSNorm(torch.nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * weight``, computed in float32, returned in x's dtype.
+
+    Signature as megatron builds norms (``build_module(spec, config=, hidden_size=, eps=)``)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype,
+                       device="cpu" if config.use_cpu_initialization else torch.cuda.current_device())
+        )
+        # megatron all-reduces the grads of params marked so over TP when sequence parallelism is on
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = x.float()
+        v = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
+        return (v * self.weight.float()).to(x.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        # replicated over TP (no TP axis): every TP rank holds the full weight
+        return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)
+
+
+def linear_spec(kind: str, recipe, layer_name: str, seed: int) -> ModuleSpec:
+    """The spec of one linear slot: our column-/row-parallel quantized layer with its resolved recipe."""
+    from nvfp4_train.precision.megatron_linear import QuantColumnParallelLinear, QuantRowParallelLinear
+
+    cls = {"column": QuantColumnParallelLinear, "row": QuantRowParallelLinear}[kind]
+    return ModuleSpec(module=cls, params={"recipe": recipe, "layer_name": layer_name, "seed": seed})
