@@ -1,0 +1,553 @@
+"""Checkpoints that survive a crash at any moment, written with megatron-core's dist-checkpointing.
+
+Layout of ``<checkpoint dir>`` (default ``<run_dir>/checkpoints``)::
+
+    step_0000100/
+        dist/                 megatron dist-checkpoint: model and distributed-optimizer state (sharded,
+                              reshardable over TP/PP for the model, over DP for the optimizer: see below)
+        rng/rank_00000.pt     python, numpy, torch CPU, CUDA and megatron-tracker RNG states of each rank
+        trainer_state.json    step, consumed samples and tokens, skipped steps, schedule, parallel layout
+        config.yaml           the resolved config of the run that wrote it
+        manifest.json         size and sha256 of every file above: written LAST
+    latest                    the name of the newest complete checkpoint (replaced atomically)
+
+Saving (all ranks): write everything into ``.tmp_step_0000100/``, hash the files (spread over the ranks),
+write ``manifest.json`` (via a temporary name and ``os.replace``), rename the directory to ``step_0000100``,
+replace ``latest``, delete all but the newest ``keep_last``. A crash at any point leaves the previous
+checkpoints and ``latest`` untouched (a stale ``.tmp_*`` is removed by the next save).
+
+Loading verifies the manifest first (every file present, sizes and, by default, sha256) and names the first
+bad or missing file. ``resume=auto`` tries ``latest``, then the other checkpoints newest first, and warns for
+each one it has to skip. A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
+a fallback.
+
+Resharding: megatron reshards the MODEL state between any TP/PP layouts. Its distributed-optimizer state is
+saved as ``dp_reshardable`` (the format that round-trips with torch's Adam in megatron-core 0.16.1; see
+docs/MEGATRON.md): it loads under a different DP size but not under a different TP/PP. A resume with another
+TP or PP therefore loads the model weights (bf16) and restarts the FP32 master weights from them with fresh
+Adam moments, and says so in a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointError",
+    "MANIFEST",
+    "step_dir_name",
+    "list_checkpoints",
+    "write_manifest",
+    "verify_checkpoint",
+    "commit_checkpoint",
+    "prune_checkpoints",
+    "resume_candidates",
+    "find_resume_checkpoint",
+    "model_mismatch",
+    "save_checkpoint",
+    "load_checkpoint",
+]
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = "nvfp4_train-checkpoint-1"
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+_STEP_RE = re.compile(r"^step_(\d{7,})$")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """When and where checkpoints are written, and what a run resumes from (the ``checkpoint`` section)."""
+
+    dir: str | None = None
+    """Checkpoint directory, shared by all ranks. None: ``<run_dir>/checkpoints``."""
+    interval: int = 0
+    """Save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 3
+    """Keep this many newest checkpoints (older ones are deleted after a successful save)."""
+    resume: str = "auto"
+    """``auto``: the newest good checkpoint in ``dir`` if any (else start fresh); ``none``: start fresh (an
+    existing checkpoint directory is then an error, to never mix two runs); a path: a checkpoint directory
+    (``.../step_0000100``) or a checkpoint root (its newest good one)."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    save_on_signal: bool = True
+    """On SIGTERM/SIGUSR1: finish the current step, save, exit cleanly."""
+    verify: str = "sha256"
+    """What loading checks against the manifest: ``sha256`` (sizes and checksums) or ``size`` (sizes only)."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"checkpoint.interval={self.interval} must be >= 0 (0: only at the end / on signal)")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
+        if self.verify not in ("sha256", "size"):
+            raise ValueError(f"checkpoint.verify={self.verify!r} is not one of sha256, size")
+        if not self.resume:
+            raise ValueError("checkpoint.resume is empty: use auto, none or a checkpoint path")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (incomplete, corrupt, missing)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Committed checkpoint directories under ``root``, oldest first (complete or not: verify to know)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(s, p) for p in root.iterdir() if p.is_dir() and (s := _step_of(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Manifest: sizes and checksums, hashing spread over the ranks
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _files_of(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_spread(directory: Path, files: list[str], *, checksums: bool) -> dict[str, dict]:
+    """{file: {size, sha256}}; with a process group rank r hashes files r, r + world, ... and all ranks get
+    the union."""
+    dist = _dist()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    mine = {}
+    for name in files[rank::world]:
+        p = directory / name
+        entry = {"size": p.stat().st_size}
+        if checksums:
+            entry["sha256"] = _sha256(p)
+        mine[name] = entry
+    if dist is None:
+        return mine
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    out = {}
+    for part in gathered:
+        out.update(part)
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str | os.PathLike, *, step: int, meta: dict) -> dict:
+    """Hash every file of ``directory`` (collective when a process group exists) and, on rank 0, write
+    ``manifest.json``. Returns the manifest."""
+    directory = Path(directory)
+    dist = _dist()
+    files = _files_of(directory) if (dist is None or dist.get_rank() == 0) else None
+    if dist is not None:
+        box = [files]
+        dist.broadcast_object_list(box, src=0)
+        files = box[0]
+    entries = _hash_spread(directory, files, checksums=True)
+    manifest = {"format": FORMAT, "step": step, "files": {k: entries[k] for k in files}, "meta": meta}
+    if dist is None or dist.get_rank() == 0:
+        _write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no {MANIFEST} (the save did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    return manifest
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, checksums: bool = True) -> list[str]:
+    """Problems of a checkpoint directory (empty: good): no manifest, a missing file, a wrong size or
+    checksum, each naming the file. Collective when a process group exists (the hashing is spread)."""
+    directory = Path(directory)
+    dist = _dist()
+    problems: list[str] = []
+    manifest = None
+    if dist is None or dist.get_rank() == 0:
+        try:
+            manifest = read_manifest(directory)
+        except CheckpointError as e:
+            problems.append(str(e))
+    if dist is not None:
+        box = [(manifest, problems)]
+        dist.broadcast_object_list(box, src=0)
+        manifest, problems = box[0]
+    if problems:
+        return problems
+    expected = manifest["files"]
+    present = []
+    if dist is None or dist.get_rank() == 0:
+        for name, entry in sorted(expected.items()):
+            p = directory / name
+            if not p.is_file():
+                problems.append(f"{p}: missing")
+            elif p.stat().st_size != entry["size"]:
+                problems.append(f"{p}: {p.stat().st_size} bytes, the manifest says {entry['size']} (truncated or "
+                                f"overwritten)")
+            else:
+                present.append(name)
+    if dist is not None:  # rank 0 looked (shared file system); every rank gets its answer
+        box = [(problems, present)]
+        dist.broadcast_object_list(box, src=0)
+        problems, present = box[0]
+    if problems or not checksums:
+        return problems
+    got = _hash_spread(directory, present, checksums=True)
+    for name in present:
+        if got[name]["sha256"] != expected[name].get("sha256"):
+            problems.append(f"{directory / name}: sha256 {got[name]['sha256'][:12]}… differs from the manifest's "
+                            f"{str(expected[name].get('sha256'))[:12]}… (corrupt)")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------------
+# Commit, prune, choose what to resume from (rank 0 does the file-system work)
+
+
+def commit_checkpoint(tmp_dir: str | os.PathLike, root: str | os.PathLike, step: int) -> Path:
+    """Rename a fully written ``tmp_dir`` (manifest included) to ``root/step_XXXXXXX`` and point ``latest``
+    at it. An existing directory of that name (an incomplete leftover) is replaced."""
+    tmp_dir, root = Path(tmp_dir), Path(root)
+    if not (tmp_dir / MANIFEST).is_file():
+        raise CheckpointError(f"{tmp_dir}: refusing to commit a checkpoint without {MANIFEST}")
+    final = root / step_dir_name(step)
+    if final.exists():
+        trash = root / f".trash_{final.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(tmp_dir, final)
+    _fsync_dir(root)
+    _write_atomic(root / LATEST, final.name + "\n")
+    _fsync_dir(root)
+    return final
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` committed checkpoints, and stale ``.tmp_*``/``.trash_*``
+    directories. Never deletes the one ``latest`` names. Returns what was deleted."""
+    root = Path(root)
+    ckpts = list_checkpoints(root)
+    latest = _read_latest(root)
+    deleted = []
+    for p in ckpts[:-keep_last] if keep_last else ckpts:
+        if latest is not None and p.name == latest.name:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        deleted.append(p)
+    for p in root.iterdir() if root.is_dir() else ():
+        if p.is_dir() and (p.name.startswith(".tmp_step_") or p.name.startswith(".trash_")):
+            shutil.rmtree(p, ignore_errors=True)
+            deleted.append(p)
+    return deleted
+
+
+def _read_latest(root: Path) -> Path | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if _STEP_RE.match(name) else None
+
+
+def resume_candidates(root: str | os.PathLike) -> list[Path]:
+    """What ``resume=auto`` tries, in order: the checkpoint ``latest`` names, then every other committed
+    checkpoint newest first."""
+    root = Path(root)
+    ckpts = list_checkpoints(root)[::-1]
+    latest = _read_latest(root)
+    if latest is not None and latest.is_dir():
+        ckpts = [latest] + [p for p in ckpts if p.name != latest.name]
+    return ckpts
+
+
+def find_resume_checkpoint(resume: str, root: str | os.PathLike, *, checksums: bool = True) -> Path | None:
+    """The checkpoint to resume from (None: start fresh), warning about every candidate skipped.
+
+    ``resume`` is ``auto``, ``none`` or a path (a checkpoint directory, or a root holding ``step_*``).
+    Raises CheckpointError when checkpoints exist but none is good, or when an explicit checkpoint
+    directory is bad; raises ValueError for ``none`` with existing checkpoints in ``root``.
+    """
+    root = Path(root)
+    if resume == "none":
+        if list_checkpoints(root):
+            raise ValueError(f"checkpoint.resume=none but {root} already holds checkpoints "
+                             f"({', '.join(p.name for p in list_checkpoints(root))}): use another experiment.name "
+                             f"or checkpoint.dir, delete them, or resume (checkpoint.resume=auto)")
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint.resume={resume!r}: no such file or directory")
+        if _step_of(path) is not None or (path / MANIFEST).exists():
+            problems = verify_checkpoint(path, checksums=checksums)
+            if problems:
+                raise CheckpointError(f"checkpoint {path} is not usable: {problems[0]}"
+                                      + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+            return path
+        root = path
+    candidates = resume_candidates(root)
+    if not candidates:
+        if resume != "auto":
+            raise CheckpointError(f"checkpoint.resume={resume!r}: no step_* checkpoints there")
+        return None
+    for i, path in enumerate(candidates):
+        problems = verify_checkpoint(path, checksums=checksums)
+        if not problems:
+            if i:
+                warnings.warn(f"resuming from {path}, an older checkpoint: the newer ones are not usable",
+                              stacklevel=2)
+            return path
+        nxt = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "no older checkpoint left"
+        warnings.warn(f"checkpoint {path} is not usable ({problems[0]}"
+                      + (f"; {len(problems) - 1} more problems" if len(problems) > 1 else "") + f"): {nxt}",
+                      stacklevel=2)
+    raise CheckpointError(f"{root}: none of the {len(candidates)} checkpoints is usable (see the warnings); "
+                          f"delete them or use checkpoint.resume=PATH/none with a new checkpoint.dir")
+
+
+def model_mismatch(saved: dict, current: dict) -> list[str]:
+    """Architecture fields that differ between a checkpoint's model config and this run's (``name`` and the
+    speed-only ``mamba_chunk_size`` do not count)."""
+    ignore = {"name", "mamba_chunk_size"}
+    keys = sorted((set(saved) | set(current)) - ignore)
+    return [f"{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}" for k in keys
+            if saved.get(k) != current.get(k)]
+
+
+# ------------------------------------------------------------------------------------------------------
+# RNG states
+
+
+def rng_state() -> dict:
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from nvfp4_train.parallel.cpu_compat import cpu_compat_active
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and not cpu_compat_active():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from nvfp4_train.parallel.cpu_compat import cpu_compat_active
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and not cpu_compat_active():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Save / load of a training state (megatron)
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist else 0
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give every parameter of the inner torch optimizer an (empty) Adam state with a ``step`` before a load.
+
+    megatron-core 0.16.1's distributed optimizer reads the Adam ``step`` from the inner torch optimizer's
+    state when it builds the sharded state dict to load into; before the first update that state is empty
+    and it fails (``assert len(steps) == 1``). The load overwrites all of these values.
+    """
+    import torch
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Give each parameter its own Adam ``step`` tensor, with the checkpoint's value, after a load.
+
+    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch-Adam path) keeps the saved step
+    in each param group's ``step`` and writes ONE shared tensor into the parameters' states (or, when the
+    states already exist, leaves their old value: 0 from :func:`_init_optimizer_state`). torch's foreach
+    Adam increments each state's step in place, so a shared tensor would advance by the number of parameters
+    per update. Either way the bias correction after a resume would differ from an uninterrupted run.
+    """
+    import torch
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            step = group.get("step")
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if not st or "step" not in st:
+                    continue
+                value = float(step) if step is not None else float(st["step"])
+                st["step"] = torch.tensor(value, dtype=torch.float32)
+
+
+def _sharded_state(ddp, optimizer, *, is_loading: bool) -> dict:
+    model_sd = ddp.module.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)}
+
+
+def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, trainer_state: dict, config_yaml: str,
+                    meta: dict, keep_last: int) -> Path:
+    """Save a training state as ``root/step_XXXXXXX`` (collective: every rank calls it). See the module
+    docstring for the order that keeps the previous checkpoints safe."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    rank = _rank()
+    tmp = root / f".tmp_{step_dir_name(step)}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "dist").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    _barrier()
+    dist_checkpointing.save(_sharded_state(ddp, optimizer, is_loading=False), str(tmp / "dist"))
+    torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
+        _write_atomic(tmp / "config.yaml", config_yaml)
+    _barrier()
+    write_manifest(tmp, step=step, meta=meta)
+    _barrier()
+    final = root / step_dir_name(step)
+    if rank == 0:
+        final = commit_checkpoint(tmp, root, step)
+        prune_checkpoints(root, keep_last)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, model_config: dict) -> dict:
+    """Load a verified checkpoint into ``ddp`` and ``optimizer``; restore this rank's RNG states when the
+    parallel layout is the same. Returns the trainer state (with ``resharded`` set when TP/PP differ)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    meta = manifest.get("meta", {})
+    diff = model_mismatch(meta.get("model", {}), model_config)
+    if diff:
+        raise ValueError(
+            f"checkpoint {path} was written for another model ({meta.get('model', {}).get('name')!r}; this run: "
+            f"{model_config.get('name')!r}): " + "; ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
+            + ". Resume with the checkpoint's model config, or start a new run (another experiment.name or "
+              "checkpoint.resume=none with a new checkpoint.dir)")
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    saved_layout = meta.get("layout", {})
+    same_model_layout = (saved_layout.get("tp"), saved_layout.get("pp")) == (layout["tp"], layout["pp"])
+    if same_model_layout:
+        _init_optimizer_state(optimizer)
+        state = dist_checkpointing.load(_sharded_state(ddp, optimizer, is_loading=True), str(path / "dist"))
+        ddp.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(optimizer)
+    else:
+        model_sd = ddp.module.sharded_state_dict()
+        state = dist_checkpointing.load({"model": model_sd}, str(path / "dist"))
+        ddp.module.load_state_dict(state["model"])
+        optimizer.reload_model_params()
+        if _rank() == 0:
+            warnings.warn(
+                f"checkpoint {path} was saved with tp={saved_layout.get('tp')}, pp={saved_layout.get('pp')}; this run "
+                f"has tp={layout['tp']}, pp={layout['pp']}: the model weights are resharded, but the distributed "
+                f"optimizer state (FP32 master weights, Adam moments) reshards only over DP, so the master weights "
+                f"restart from the bf16 weights and the Adam moments from zero", stacklevel=2)
+    trainer_state["resharded"] = not same_model_layout
+    if saved_layout == layout:
+        rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    elif _rank() == 0:
+        warnings.warn(f"checkpoint {path}: parallel layout {saved_layout} differs from this run's {layout}; RNG "
+                      f"states are not restored (the run continues from its seeds)", stacklevel=2)
+    return trainer_state

@@ -1,0 +1,33 @@
+"""The ``experiment`` config section: the run's name, directory, seed and (optionally) its model provider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ExperimentConfig"]
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    """What identifies a run."""
+
+    name: str = "default"
+    """Run name (logs, wandb); the default run directory is ``runs/<name>``."""
+    run_dir: str | None = None
+    """Directory shared by all ranks: metrics, resolved config, checkpoints. None: ``runs/<name>``. Never
+    per-rank or timestamped, so that a restarted job finds its checkpoints."""
+    seed: int = 1234
+    """Seed of the model initialisation and every RNG (the data order has its own ``data.seed``)."""
+    model_provider: str | None = None
+    """``module:function``; ``function(cfg)`` returns ``provider(pre_process, post_process) -> module``.
+    None: ``models.build.build_model`` (the hybrid model). Tests use a megatron GPTModel stand-in."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"experiment.name={self.name!r} must be a non-empty name without '/' "
+                             f"(use experiment.run_dir for a path)")
+        if self.model_provider is not None and ":" not in self.model_provider:
+            raise ValueError(f"experiment.model_provider={self.model_provider!r} must be 'module:function'")
+
+    def resolved_run_dir(self) -> str:
+        return self.run_dir if self.run_dir is not None else f"runs/{self.name}"

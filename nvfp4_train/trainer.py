@@ -1,0 +1,453 @@
+"""The training loop: ``train(cfg, model_provider=None)``.
+
+Model-agnostic: the model comes from ``model_provider(pre_process, post_process) -> MegatronModule`` (the
+hybrid model of ``models.build`` by default) whose ``forward(input_ids=, position_ids=, attention_mask=,
+labels=)`` returns the per-token loss ``[b, s]`` on the last pipeline stage, like megatron's ``GPTModel``.
+Optional model methods the trainer uses when present: ``precision_layers()`` (the precision switch),
+``flops_per_token(seq_length)`` (MFU; else 6 x parameters).
+
+One step: set the step's learning rate (WSD), apply the precision switch when it starts, run megatron's
+``get_forward_backward_func`` over ``global_batch_size / (micro_batch_size * DP)`` micro-batches (1F1B under
+pipeline parallelism), all-reduce [loss, non-finite flag, signal flag] over the world, then either skip the
+optimizer (non-finite loss) or call it (it skips itself on non-finite gradients: see ``nvfp4_train.optim``).
+Every ``logging.interval`` steps a metrics record, every ``schedule.eval_interval`` steps a validation pass,
+every ``checkpoint.interval`` steps a checkpoint; SIGTERM/SIGUSR1 finish the step, save and return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from nvfp4_train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
+from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
+
+__all__ = ["train", "TrainResult", "TrainingDiverged", "hybrid_model_provider", "resolve_model_provider",
+           "apply_precision_switch"]
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    run_dir: str
+    step: int
+    consumed_tokens: int
+    loss: float | None
+    val_loss: float | None
+    skipped_steps: int
+    stopped_by_signal: bool
+    checkpoint: str | None
+    resumed_from: str | None
+
+
+def hybrid_model_provider(cfg):
+    """The default provider: ``models.build.build_model`` (the hybrid Mamba-Transformer)."""
+    try:
+        from models.build import build_model, transformer_config
+    except ImportError as e:
+        raise ImportError(f"the default model provider needs models.build ({e}); give another one with "
+                          f"experiment.model_provider=module:function") from e
+    layer_map = cfg.precision.layer_map(cfg.model.pattern)
+    tcfg = transformer_config(cfg.model, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                              sequence_parallel=cfg.parallel.sequence_parallel)
+
+    def provider(pre_process: bool, post_process: bool):
+        return build_model(cfg.model, layer_map, config=tcfg, pre_process=pre_process, post_process=post_process,
+                           seed=cfg.experiment.seed)
+
+    return provider
+
+
+def resolve_model_provider(cfg):
+    """``experiment.model_provider`` (``module:function``, called with the config) or the hybrid model."""
+    spec = cfg.experiment.model_provider
+    if spec is None:
+        return hybrid_model_provider(cfg)
+    module, _, name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"experiment.model_provider={spec!r} cannot be loaded ({e})") from None
+    return factory(cfg)
+
+
+def _base_recipe(layer, layer_map):
+    if hasattr(layer, "block") and hasattr(layer, "role"):
+        return layer_map.recipe(layer.block, layer.role)
+    if hasattr(layer, "base_recipe"):
+        return layer.base_recipe
+    raise TypeError(f"{type(layer).__name__} from precision_layers() has neither (block, role) attributes nor a "
+                    f"base_recipe: the trainer cannot tell which recipe it was built with")
+
+
+def apply_precision_switch(module, layer_map, switch, *, step: int, total_steps: int) -> int:
+    """Set each quantized layer's recipe in effect at ``step`` (paper App. D). Returns the layers changed."""
+    from nvfp4_train.precision.layer_map import recipe_in_effect
+
+    if not hasattr(module, "precision_layers"):
+        return 0
+    n = 0
+    for _name, layer in module.precision_layers():
+        layer.set_recipe(recipe_in_effect(_base_recipe(layer, layer_map), switch, step=step, total_steps=total_steps))
+        n += 1
+    return n
+
+
+def _telemetry_module():
+    try:
+        return importlib.import_module("nvfp4_train.precision.telemetry")
+    except ImportError:
+        return None
+
+
+def _unwrap(ddp):
+    return ddp.module
+
+
+class _SignalFlag:
+    """SIGTERM / SIGUSR1 set a flag; the loop acts on it after the current step."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.signum = 0
+        self._old = {}
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                try:
+                    self._old[sig] = signal.signal(sig, self._handle)
+                except ValueError:  # not the main thread
+                    pass
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def train(cfg, *, model_provider=None) -> TrainResult:
+    """Train as ``cfg`` says (a ``nvfp4_train.config.Config``); ``model_provider`` overrides the config's."""
+    state = setup_parallel(cfg.parallel, seed=cfg.experiment.seed)
+    try:
+        return _Trainer(cfg, model_provider, state).run()
+    finally:
+        teardown_parallel(state)
+
+
+class _Trainer:
+    def __init__(self, cfg, model_provider, ps: ParallelState) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import finalize_model_grads
+        from omegaconf import OmegaConf
+
+        from nvfp4_train.data.datasets import build_datasets, load_tokenizer_for
+        from nvfp4_train.optim import build_ddp, build_optimizer
+        from nvfp4_train.schedule import WSDSchedule
+
+        self.cfg, self.ps = cfg, ps
+        self.run_dir = Path(cfg.experiment.resolved_run_dir())
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.device = torch.device(ps.device)
+        self.is_rank0 = ps.rank == 0
+        if not self.is_rank0:
+            warnings.filterwarnings("ignore")
+        if ps.cpu_compat:  # on CPU the "CUDA" RNG of megatron's tracker IS the CPU RNG: its every-step warning
+            logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)  # says nothing
+
+        sc = cfg.schedule
+        self.sched = sc.resolve(cfg.data.seq_length)
+        per_micro = sc.micro_batch_size * ps.dp
+        if sc.global_batch_size % per_micro:
+            raise ValueError(f"schedule.global_batch_size={sc.global_batch_size} is not a multiple of "
+                             f"micro_batch_size * DP = {sc.micro_batch_size} * {ps.dp}")
+        self.num_micro = sc.global_batch_size // per_micro
+
+        tokenizer = load_tokenizer_for(cfg.data)
+        if cfg.model.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                             f"{tokenizer.vocab_size} ids: set model.vocab_size >= {tokenizer.vocab_size}")
+        self.layer_map = cfg.precision.layer_map(cfg.model.pattern)
+        self.switch = cfg.precision.switch
+
+        # model, DDP, optimizer
+        provider = model_provider if model_provider is not None else resolve_model_provider(cfg)
+        module = provider(pre_process=ps.is_first_stage, post_process=ps.is_last_stage)
+        if getattr(module, "config", None) is None:
+            raise TypeError(f"the model provider returned a {type(module).__name__} without a megatron "
+                            f"TransformerConfig .config")
+        self.ddp = build_ddp(module, cfg.optim)
+        tconfig = module.config
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        if cfg.optim.overlap_grad_reduce:
+            tconfig.no_sync_func = self.ddp.no_sync
+        self.optimizer = build_optimizer([self.ddp], cfg.optim, lr=sc.lr, min_lr=sc.min_lr)
+        self.lr_schedule = WSDSchedule(self.sched, self.optimizer, weight_decay=cfg.optim.weight_decay)
+        self.tconfig = tconfig
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.fb = get_forward_backward_func()
+        self.flops_per_token = self._flops_per_token(module, parallel_state)
+        self.peak_flops = peak_flops_per_device(cfg.logging)
+
+        # data
+        gbs = sc.global_batch_size
+        valid_samples = sc.eval_batches * gbs
+        self.train_ds, self.valid_ds = build_datasets(cfg.data, train_samples=self.sched.train_steps * gbs,
+                                                      valid_samples=valid_samples, tokenizer=tokenizer)
+
+        # resume
+        self.step = 0
+        self.skipped_steps = 0
+        self.resumed_from = None
+        path = find_resume_checkpoint(cfg.checkpoint.resume, self.ckpt_dir,
+                                      checksums=cfg.checkpoint.verify == "sha256")
+        self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+        self.config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        if path is not None:
+            tstate = load_checkpoint(path, ddp=self.ddp, optimizer=self.optimizer, layout=ps.layout(),
+                                     model_config=dataclasses.asdict(cfg.model))
+            self.step = tstate["step"]
+            self.skipped_steps = tstate.get("skipped_steps", 0)
+            if tstate.get("consumed_samples") != self.step * gbs:
+                raise ValueError(f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not "
+                                 f"step * global_batch_size = {self.step} * {gbs}: the global batch size changed; "
+                                 f"resume with schedule.global_batch_size as saved")
+            saved_sched = tstate.get("schedule", {})
+            if saved_sched and saved_sched != self.lr_schedule.state_dict():
+                warnings.warn(f"the schedule differs from the checkpoint's ({saved_sched}); continuing with this "
+                              f"run's (the data order also changes when train_steps changes)", stacklevel=2)
+            self.resumed_from = str(path)
+        if self.step > self.sched.train_steps:
+            raise ValueError(f"checkpoint at step {self.step} is past schedule.train_steps={self.sched.train_steps}")
+
+        self.metrics = MetricsLogger(cfg.logging, self.run_dir, enabled=self.is_rank0,
+                                     total_steps=self.sched.train_steps, start_step=self.step,
+                                     run_name=cfg.experiment.name, config_dict=self.config_dict)
+        if self.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+        self.telemetry = _telemetry_module() if cfg.logging.telemetry_interval else None
+        if cfg.logging.telemetry_interval and self.telemetry is None:
+            self.metrics.note("telemetry: nvfp4_train.precision.telemetry is not available, telemetry is off")
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _flops_per_token(self, module, parallel_state) -> float:
+        if hasattr(module, "flops_per_token"):
+            return float(module.flops_per_token(self.cfg.data.seq_length))
+        local = 0.0
+        for p in module.parameters():
+            local += p.numel() if getattr(p, "tensor_model_parallel", False) else p.numel() / self.ps.tp
+        t = torch.tensor([local], dtype=torch.float64, device=self.device)
+        if self.ps.world_size > 1:
+            torch.distributed.all_reduce(t, group=parallel_state.get_model_parallel_group())
+        return 6.0 * float(t.item())
+
+    def _loader(self, dataset, consumed_samples: int):
+        from nvfp4_train.data.datasets import build_data_loader
+
+        return build_data_loader(dataset, micro_batch_size=self.cfg.schedule.micro_batch_size,
+                                 consumed_samples=consumed_samples, dp_rank=self.ps.dp_rank, dp_size=self.ps.dp,
+                                 num_workers=self.cfg.data.num_workers)
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(self.device, non_blocking=True)
+        position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device, non_blocking=True)
+        output = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels)
+        return output, partial(self._loss_func, loss_mask)
+
+    @staticmethod
+    def _loss_func(loss_mask, output_tensor):
+        losses = output_tensor.float().reshape(-1)
+        mask = loss_mask.reshape(-1).float()
+        loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+        return loss, {"loss": loss.detach().clone()}
+
+    def _run_fb(self, iterator, *, forward_only: bool, num_micro: int):
+        sc = self.cfg.schedule
+        return self.fb(forward_step_func=self._forward_step, data_iterator=iterator, model=[self.ddp],
+                       num_microbatches=num_micro, seq_length=self.cfg.data.seq_length,
+                       micro_batch_size=sc.micro_batch_size, forward_only=forward_only)
+
+    def _local_loss(self, losses) -> float:
+        """This rank's contribution to the world-summed loss: its DP replica's mean over micro-batches,
+        divided by DP, on the last stage's tensor-parallel rank 0; 0 elsewhere."""
+        if not (self.ps.is_last_stage and self.ps.tp_rank == 0) or not losses:
+            return 0.0
+        vals = torch.stack([d["loss"].float() for d in losses])
+        return float(vals.mean()) / self.ps.dp
+
+    def _allreduce(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.ps.world_size > 1:
+            torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def evaluate(self) -> float | None:
+        if self.valid_ds is None or self.cfg.schedule.eval_batches == 0:
+            return None
+        self.ddp.eval()
+        total = 0.0
+        it = iter(self._loader(self.valid_ds, 0))
+        with torch.no_grad():
+            for _ in range(self.cfg.schedule.eval_batches):
+                losses = self._run_fb(it, forward_only=True, num_micro=self.num_micro)
+                total += self._local_loss(losses)
+        self.ddp.train()
+        (val,) = self._allreduce([total / self.cfg.schedule.eval_batches])
+        return val
+
+    def _trainer_state(self) -> dict:
+        gbs = self.cfg.schedule.global_batch_size
+        return {"step": self.step, "consumed_samples": self.step * gbs,
+                "consumed_tokens": self.step * self.sched.tokens_per_step, "skipped_steps": self.skipped_steps,
+                "schedule": self.lr_schedule.state_dict(), "layout": self.ps.layout()}
+
+    def save(self) -> str:
+        meta = {"model": dataclasses.asdict(self.cfg.model), "layout": self.ps.layout(), "step": self.step,
+                "consumed_tokens": self.step * self.sched.tokens_per_step, "time": time.time()}
+        t0 = time.time()
+        path = save_checkpoint(self.ckpt_dir, step=self.step, ddp=self.ddp, optimizer=self.optimizer,
+                               trainer_state=self._trainer_state(), config_yaml=self.config_yaml, meta=meta,
+                               keep_last=self.cfg.checkpoint.keep_last)
+        self.metrics.event("checkpoint", self.step, path=str(path), seconds=round(time.time() - t0, 3))
+        self.metrics.note(f"step {self.step}: checkpoint {path}")
+        return str(path)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg, sc = self.cfg, self.cfg.schedule
+        total = self.sched.train_steps
+        self.metrics.note(f"{self.layer_map.summary_line()}; {self.sched.describe()}; tp={self.ps.tp} pp={self.ps.pp} "
+                          f"dp={self.ps.dp}, {self.num_micro} micro-batches of {sc.micro_batch_size}; "
+                          f"run dir {self.run_dir}")
+        if self.resumed_from:
+            self.metrics.event("resume", self.step, checkpoint=self.resumed_from)
+            self.metrics.note(f"resumed from {self.resumed_from} at step {self.step}")
+        else:
+            self.metrics.event("start", self.step)
+        flag = _SignalFlag(cfg.checkpoint.save_on_signal)
+        module = _unwrap(self.ddp)
+        switch_start = self.switch.start_step(total)
+        switched = False
+        consecutive_bad = 0
+        last_loss = last_val = None
+        last_ckpt = None
+        saved_step = self.step if self.resumed_from else None
+        last_eval_step = -1
+        stopped = False
+        loader_it = iter(self._loader(self.train_ds, self.step * sc.global_batch_size))
+        try:
+            while self.step < total:
+                step = self.step
+                if switch_start is not None and step >= switch_start and not switched:
+                    n = apply_precision_switch(module, self.layer_map, self.switch, step=step, total_steps=total)
+                    switched = True
+                    self.metrics.event("precision_switch", step, mode=self.switch.mode, layers=n)
+                    self.metrics.note(f"step {step}: precision switch {self.switch.describe()} ({n} layers)")
+                telemetry_now = bool(self.telemetry and cfg.logging.telemetry_interval
+                                     and step % cfg.logging.telemetry_interval == 0)
+                if telemetry_now:
+                    self.telemetry.set_telemetry(module, True)
+                lr = self.lr_schedule.apply(step)
+                t0 = time.perf_counter()
+                self.ddp.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                losses = self._run_fb(loader_it, forward_only=False, num_micro=self.num_micro)
+                local = self._local_loss(losses)
+                loss, bad_loss, sig = self._allreduce([local, 0.0 if math.isfinite(local) else 1.0,
+                                                       float(flag.signum != 0)])
+                grad_norm = None
+                if bad_loss > 0:
+                    ok = False
+                else:
+                    ok, grad_norm, _ = self.optimizer.step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                self.step += 1
+                if telemetry_now:
+                    self.metrics.telemetry(self.step, self.telemetry.collect_telemetry(module))
+                    self.telemetry.set_telemetry(module, False)
+                if ok:
+                    consecutive_bad = 0
+                    last_loss = loss
+                else:
+                    self.skipped_steps += 1
+                    consecutive_bad += 1
+                    layer = None
+                    if self.telemetry is not None and hasattr(self.telemetry, "first_nonfinite_layer"):
+                        layer = self.telemetry.first_nonfinite_layer(module)
+                    self.metrics.event("skipped_step", self.step, loss=loss,
+                                       reason="non-finite loss" if bad_loss > 0 else "non-finite gradient",
+                                       consecutive=consecutive_bad, first_nonfinite_layer=layer)
+                    self.metrics.note(f"step {self.step}: skipped (non-finite {'loss' if bad_loss > 0 else 'gradient'}"
+                                      f"{f', first in {layer}' if layer else ''}); {consecutive_bad} in a row")
+                if self.step % cfg.logging.interval == 0 or self.step == total:
+                    tps = self.sched.tokens_per_step / dt if dt > 0 else float("nan")
+                    mfu = (self.flops_per_token * tps / (self.peak_flops * self.ps.world_size)
+                           if self.peak_flops else None)
+                    gn = None if grad_norm is None else float(grad_norm)
+                    self.metrics.train({"step": self.step, "tokens": self.step * self.sched.tokens_per_step,
+                                        "loss": loss, "lr": lr, "grad_norm": gn, "tokens_per_s": tps, "mfu": mfu,
+                                        "peak_mem_gb": peak_memory_gb(), "skipped_steps": self.skipped_steps,
+                                        "skipped": not ok, "time_s": dt})
+                self.metrics.advance()
+                if consecutive_bad >= cfg.optim.max_consecutive_bad_steps:
+                    msg = (f"stopping at step {self.step}: {consecutive_bad} consecutive steps with a non-finite "
+                           f"loss or gradient (optim.max_consecutive_bad_steps={cfg.optim.max_consecutive_bad_steps}"
+                           f"; {self.skipped_steps} skipped in total; last loss {loss}). The last good checkpoint "
+                           f"is {last_ckpt or self.resumed_from or 'none (none was saved)'}; "
+                           f"lower schedule.lr, check precision (python -m nvfp4_train.precision.table), or "
+                           f"enable logging.telemetry_interval to find the layer")
+                    self.metrics.event("diverged", self.step, message=msg)
+                    raise TrainingDiverged(msg)
+                if sc.eval_interval and self.step % sc.eval_interval == 0:
+                    last_val = self.evaluate()
+                    last_eval_step = self.step
+                    if last_val is not None:
+                        self.metrics.eval(self.step, self.step * self.sched.tokens_per_step, last_val)
+                if sig > 0:
+                    self.metrics.event("signal", self.step, signum=flag.signum)
+                    self.metrics.note(f"step {self.step}: signal received, saving and stopping")
+                    if cfg.checkpoint.save_on_signal and saved_step != self.step:
+                        last_ckpt, saved_step = self.save(), self.step
+                    stopped = True
+                    break
+                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                    last_ckpt, saved_step = self.save(), self.step
+            if not stopped:
+                if last_eval_step != self.step:
+                    last_val = self.evaluate()
+                    if last_val is not None:
+                        self.metrics.eval(self.step, self.step * self.sched.tokens_per_step, last_val)
+                if cfg.checkpoint.save_at_end and saved_step != self.step:
+                    last_ckpt, saved_step = self.save(), self.step
+                self.metrics.event("end", self.step, loss=last_loss, val_loss=last_val,
+                                   skipped_steps=self.skipped_steps)
+        finally:
+            flag.restore()
+            self.metrics.close()
+        return TrainResult(run_dir=str(self.run_dir), step=self.step,
+                           consumed_tokens=self.step * self.sched.tokens_per_step, loss=last_loss, val_loss=last_val,
+                           skipped_steps=self.skipped_steps, stopped_by_signal=stopped, checkpoint=last_ckpt,
+                           resumed_from=self.resumed_from)
