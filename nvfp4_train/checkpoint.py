@@ -17,8 +17,8 @@ replace ``latest``, delete all but the newest ``keep_last``. A crash at any poin
 checkpoints and ``latest`` untouched (a stale ``.tmp_*`` is removed by the next save).
 
 Loading verifies the manifest first (every file present, sizes and, by default, sha256) and names the first
-bad or missing file. ``resume=auto`` tries ``latest``, then the other checkpoints newest first, and warns for
-each one it has to skip. A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
+bad or missing file. ``resume=auto`` tries the checkpoints newest first (``latest`` names the newest; it is for
+people and tools) and warns for each one it has to skip. A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
 a fallback.
 
 Resharding: megatron reshards the MODEL state between any TP/PP layouts. Its distributed-optimizer state is
@@ -310,14 +310,10 @@ def _read_latest(root: Path) -> Path | None:
 
 
 def resume_candidates(root: str | os.PathLike) -> list[Path]:
-    """What ``resume=auto`` tries, in order: the checkpoint ``latest`` names, then every other committed
-    checkpoint newest first."""
-    root = Path(root)
-    ckpts = list_checkpoints(root)[::-1]
-    latest = _read_latest(root)
-    if latest is not None and latest.is_dir():
-        ckpts = [latest] + [p for p in ckpts if p.name != latest.name]
-    return ckpts
+    """What ``resume=auto`` tries, in order: every committed checkpoint, newest first. That is the one
+    ``latest`` names, unless a crash hit between a rename and the pointer update (then the renamed directory
+    is complete, manifest included, and newer)."""
+    return list_checkpoints(root)[::-1]
 
 
 def find_resume_checkpoint(resume: str, root: str | os.PathLike, *, checksums: bool = True) -> Path | None:

@@ -11,8 +11,10 @@ and ``lr = min_lr + coeff * (max_lr - min_lr)``; past ``total``: ``min_lr``.
 
 Positions are TOKENS: optimizer step ``k`` (0-based) runs at position ``k * tokens_per_step``, the tokens
 consumed before it (Megatron counts samples, and its step ``k`` also runs at the samples consumed before
-it). A schedule given in steps is the same schedule: ``float(k*T) / float(W*T)`` is the correctly rounded
-quotient of the same rational as ``float(k) / float(W)``, so the two are bitwise equal. As in Megatron the
+it). A schedule given in steps is the same schedule: the anneal's ratio ``float(k*T) / float(D*T)`` is the
+correctly rounded quotient of the same rational as ``float(k) / float(D)`` (bitwise equal); the warmup keeps
+Megatron's ``(max_lr - init_lr) * position / warmup`` order, which rounds the product of a different
+position, so there the two agree to within an ulp or two. As in Megatron the
 last step runs at ``(N-1) * T < total``: the lr of the last step is one decay unit above ``min_lr``.
 
 One deliberate difference: Megatron does not advance its scheduler on a skipped (non-finite) step; here the

@@ -1,0 +1,55 @@
+"""Helpers of the trainer tests: run ``train.py`` with the GPTModel stand-in in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# 4 blocks of a 32-wide GPT (the stand-in reads the sizes from cfg.model); the vocabulary must hold the
+# committed tokenizer's 32768 ids. 32-token samples, 4 per step in 2 micro-batches.
+TINY = [
+    "experiment.model_provider=tests.trainer.standin:gpt_provider",
+    "model.vocab_size=32768", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.kv_channels=8",
+    "model.pattern=*-*-", "model.num_layers=4",
+    "data=text_cpu", "data.seq_length=32",
+    "schedule.global_batch_size=4", "schedule.micro_batch_size=2", "schedule.warmup_steps=2",
+    "schedule.eval_interval=0", "schedule.eval_batches=1", "schedule.lr=1e-3",
+    "checkpoint.interval=0",
+    "logging.wandb=disabled", "logging.progress=lines", "logging.tensorboard=false",
+]
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    e.update(extra)
+    return e
+
+
+def start(args: list[str], *, nproc: int = 1, log: Path, **extra_env) -> subprocess.Popen:
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(ROOT / "train.py"), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(**extra_env), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def run(args: list[str], *, log: Path, timeout: float = 300, **kw) -> int:
+    p = start(args, log=log, **kw)
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+
+
+def tail(log: Path, n: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])

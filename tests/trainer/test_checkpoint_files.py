@@ -1,0 +1,146 @@
+"""Crash safety of the checkpoint directory protocol (no megatron: fake payloads written the same way).
+
+A save writes into .tmp_step_N, writes manifest.json LAST, renames to step_N, then replaces `latest`.
+Simulated crashes at each point must leave the previous checkpoint usable and be detected."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from nvfp4_train.checkpoint import (
+    CheckpointError,
+    commit_checkpoint,
+    find_resume_checkpoint,
+    model_mismatch,
+    prune_checkpoints,
+    resume_candidates,
+    step_dir_name,
+    verify_checkpoint,
+    write_manifest,
+)
+
+
+def _payload(d: Path, step: int) -> None:
+    (d / "dist").mkdir(parents=True)
+    (d / "rng").mkdir()
+    (d / "dist" / "__0_0.distcp").write_bytes(os.urandom(3000 + step))
+    (d / "dist" / ".metadata").write_bytes(os.urandom(100))
+    (d / "rng" / "rank_00000.pt").write_bytes(os.urandom(50))
+    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+
+
+def _save(root: Path, step: int, *, keep_last: int = 3, crash: str | None = None) -> Path:
+    tmp = root / f".tmp_{step_dir_name(step)}"
+    _payload(tmp, step)
+    if crash == "before_manifest":
+        return tmp
+    write_manifest(tmp, step=step, meta={"model": {"hidden_size": 64}})
+    if crash == "before_rename":
+        return tmp
+    final = commit_checkpoint(tmp, root, step)
+    prune_checkpoints(root, keep_last)
+    return final
+
+
+def test_save_commit_prune_and_latest(tmp_path):
+    for s in (10, 20, 30, 40):
+        _save(tmp_path, s, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000030", "step_0000040"]
+    assert (tmp_path / "latest").read_text().strip() == "step_0000040"
+    assert verify_checkpoint(tmp_path / "step_0000040") == []
+    manifest = json.loads((tmp_path / "step_0000040" / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"dist/__0_0.distcp", "dist/.metadata", "rng/rank_00000.pt",
+                                      "trainer_state.json"}
+    assert manifest["files"]["dist/__0_0.distcp"]["size"] == 3040
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "step_0000040"
+
+
+@pytest.mark.parametrize("crash", ["before_manifest", "before_rename"])
+def test_crash_before_rename_keeps_previous_checkpoint(tmp_path, crash):
+    _save(tmp_path, 10)
+    tmp = _save(tmp_path, 20, crash=crash)
+    assert tmp.is_dir()
+    assert (tmp_path / "latest").read_text().strip() == "step_0000010"
+    assert [p.name for p in resume_candidates(tmp_path)] == ["step_0000010"]
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "step_0000010"
+    # the next successful save removes the stale temporary directory
+    _save(tmp_path, 30)
+    assert not tmp.exists()
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "step_0000030"
+
+
+def test_crash_between_rename_and_latest_update_resumes_from_the_complete_newer_one(tmp_path):
+    _save(tmp_path, 10)
+    tmp = _save(tmp_path, 20, crash="before_rename")
+    os.replace(tmp, tmp_path / "step_0000020")  # renamed, `latest` not yet updated
+    assert (tmp_path / "latest").read_text().strip() == "step_0000010"
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "step_0000020"
+
+
+def test_commit_refuses_a_directory_without_manifest(tmp_path):
+    tmp = _save(tmp_path, 10, crash="before_manifest")
+    with pytest.raises(CheckpointError, match="without manifest.json"):
+        commit_checkpoint(tmp, tmp_path, 10)
+    assert not (tmp_path / "step_0000010").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
+def test_damaged_latest_is_detected_and_resume_falls_back(tmp_path, damage):
+    _save(tmp_path, 10)
+    last = _save(tmp_path, 20)
+    f = last / "dist" / "__0_0.distcp"
+    if damage == "truncate":
+        with open(f, "r+b") as fh:
+            fh.truncate(1000)
+        needle = "__0_0.distcp: 1000 bytes, the manifest says 3020"
+    elif damage == "flip":
+        data = bytearray(f.read_bytes())
+        data[1234] ^= 0x01
+        f.write_bytes(bytes(data))
+        needle = "__0_0.distcp: sha256"
+    elif damage == "delete":
+        f.unlink()
+        needle = "__0_0.distcp: missing"
+    else:
+        (last / "manifest.json").write_text('{"format": "nvfp4_train-checkpoint-1", "files": ')
+        needle = "manifest.json is not valid JSON"
+    problems = verify_checkpoint(last)
+    assert len(problems) == 1 and needle in problems[0]
+    with pytest.warns(UserWarning, match="step_0000020 is not usable"):
+        assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "step_0000010"
+    if damage == "truncate":  # sizes alone catch a truncation
+        assert verify_checkpoint(last, checksums=False) != []
+    if damage == "flip":  # only the checksum catches a flipped bit
+        assert verify_checkpoint(last, checksums=False) == []
+
+
+def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    last = _save(tmp_path, 10)
+    (last / "manifest.json").unlink()
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="none of the 1 checkpoints is usable"):
+        find_resume_checkpoint("auto", tmp_path)
+
+
+def test_explicit_path_and_none(tmp_path):
+    assert find_resume_checkpoint("auto", tmp_path / "nothing_here") is None
+    assert find_resume_checkpoint("none", tmp_path) is None
+    a = _save(tmp_path, 10)
+    b = _save(tmp_path, 20)
+    assert find_resume_checkpoint(str(a), tmp_path / "elsewhere") == a  # an explicit checkpoint directory
+    assert find_resume_checkpoint(str(tmp_path), tmp_path / "elsewhere") == b  # an explicit root: its newest
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        find_resume_checkpoint("none", tmp_path)
+    (a / "trainer_state.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="trainer_state.json: 2 bytes"):
+        find_resume_checkpoint(str(a), tmp_path)  # an explicit bad checkpoint: no silent fallback
+
+
+def test_model_mismatch_names_fields():
+    saved = {"name": "small", "hidden_size": 256, "num_layers": 8, "mamba_chunk_size": 128}
+    current = {"name": "tiny", "hidden_size": 128, "num_layers": 8, "mamba_chunk_size": 32}
+    assert model_mismatch(saved, current) == ["hidden_size: checkpoint 256, this run 128"]
+    assert model_mismatch(saved, dict(saved, name="renamed")) == []

@@ -1,0 +1,105 @@
+"""End to end, in subprocesses (train.py with the GPTModel stand-in, CPU, one rank): exact resume after
+SIGTERM, fallback from a damaged checkpoint, a checkpoint of another model, non-finite steps."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from nvfp4_train.metrics import load_metrics
+from tests.trainer.runs import TINY, run, start, tail
+
+STEPS = 8
+
+
+def _events(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["type"] == "event"]
+
+
+def _wait_for_step(run_dir, step, proc, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        f = run_dir / "metrics.jsonl"
+        if f.is_file() and any(r["step"] >= step for r in load_metrics(f)):
+            return
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        time.sleep(0.02)
+    raise TimeoutError(f"no step {step} in {run_dir}")
+
+
+def _same(a, b, keys=("loss", "grad_norm", "lr", "tokens")):
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b):
+        for k in keys:
+            assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])  # bitwise (floats round-trip through JSON)
+
+
+def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
+    base = [*TINY, f"schedule.train_steps={STEPS}"]
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a = start([*base, f"experiment.run_dir={a_dir}"], log=tmp_path / "a.log")
+    b = start([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b.log")
+    _wait_for_step(b_dir, 3, b)
+    b.send_signal(signal.SIGTERM)
+    assert b.wait(timeout=240) == 0, tail(tmp_path / "b.log")
+    assert a.wait(timeout=240) == 0, tail(tmp_path / "a.log")
+    ev = _events(b_dir)
+    stopped = [e for e in ev if e["event"] == "signal"][0]["step"]
+    assert 3 <= stopped < STEPS
+    assert (b_dir / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
+    assert (b_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:07d}"
+
+    assert run([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b2.log") == 0, tail(tmp_path / "b2.log")
+    assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped]
+    ref = load_metrics(a_dir)
+    _same(ref, load_metrics(b_dir))
+    assert [r["val_loss"] for r in load_metrics(a_dir, "eval")] == [r["val_loss"] for r in load_metrics(b_dir, "eval")]
+
+    # damage the newest checkpoint (end of run): resume falls back to the one written at the signal, warns,
+    # redoes the steps after it, and gets the same losses again
+    last = b_dir / "checkpoints" / f"step_{STEPS:07d}"
+    shard = sorted((last / "dist").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    assert run([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b3.log") == 0, tail(tmp_path / "b3.log")
+    log = (tmp_path / "b3.log").read_text()
+    assert f"checkpoint {last} is not usable" in log and shard.name in log
+    assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped, stopped]
+    _same(ref, load_metrics(b_dir))
+
+    # a checkpoint of another model size is a clear error, not a fallback
+    rc = run([*base, f"experiment.run_dir={b_dir}", "model.hidden_size=64"], log=tmp_path / "b4.log")
+    log = (tmp_path / "b4.log").read_text()
+    assert rc != 0
+    assert "was written for another model" in log and "hidden_size: checkpoint 32, this run 64" in log
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+    base = [*TINY, "schedule.train_steps=6", "optim.max_consecutive_bad_steps=3"]
+    # grad: step 1 (0-based) gets a NaN gradient with a finite loss -> megatron's found-inf path skips it
+    g = start([*base, f"experiment.run_dir={tmp_path / 'g'}"], log=tmp_path / "g.log", STANDIN_NAN="grad:1")
+    # loss: from step 2 on every loss is NaN -> skipped; the third in a row stops the run (exit status 3)
+    n = start([*base, f"experiment.run_dir={tmp_path / 'n'}"], log=tmp_path / "n.log", STANDIN_NAN="loss:2,3,4,5")
+    assert g.wait(timeout=240) == 0, tail(tmp_path / "g.log")
+    assert n.wait(timeout=240) == 3, tail(tmp_path / "n.log")
+
+    recs = load_metrics(tmp_path / "g")
+    assert [r["skipped"] for r in recs] == [False, True, False, False, False, False]
+    assert recs[1]["grad_norm"] is None and recs[1]["loss"] == recs[1]["loss"]  # finite loss, no norm
+    assert recs[-1]["skipped_steps"] == 1
+    skipped = [e for e in _events(tmp_path / "g") if e["event"] == "skipped_step"]
+    assert [(e["step"], e["reason"]) for e in skipped] == [(2, "non-finite gradient")]
+
+    recs = load_metrics(tmp_path / "n")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert [r["skipped"] for r in recs] == [False, False, True, True, True]
+    assert recs[-1]["skipped_steps"] == 3
+    ev = _events(tmp_path / "n")
+    assert [e["event"] for e in ev if e["event"] in ("diverged", "end")] == ["diverged"]
+    assert "3 consecutive steps with a non-finite loss or gradient" in (tmp_path / "n.log").read_text()
+    # nothing was saved from the diverged state
+    assert not (tmp_path / "n" / "checkpoints").exists()
