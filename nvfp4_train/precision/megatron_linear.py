@@ -28,6 +28,10 @@ amax_group``), so the scales are those of the unsharded tensor and the numerics 
 An all-bf16 recipe runs megatron's original ``_forward_impl`` (bitwise the stock layer). Parameter names and
 state-dict keys are the stock ones: precision is not part of a checkpoint, and :meth:`set_recipe` changes it
 in place (the late switch to bf16, paper App. D). Gradient-accumulation fusion is not supported.
+
+The quantized weight copies are cached per optimizer step. The trainer must call
+:func:`invalidate_weight_caches` after every optimizer step: megatron's optimizers write the new weights
+through ``param.data`` / the parameter buffer, which the cache's version-counter check cannot see.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ __all__ = [
     "recipe_shape_problems",
     "token_block",
     "check_recipe_shape",
+    "quant_layers",
+    "invalidate_weight_caches",
 ]
 
 # (role, operand index) -> (operand name, which weight dims are [rows, reduction]) for the weight-shaped dims;
@@ -261,3 +267,20 @@ class QuantRowParallelLinear(_QuantLayer, RowParallelLinear):
             y = self._quant_gemm(input, weight, kwargs.get("bias"), kwargs.get("grad_output_buffer"))
         tel.check_output(y)
         return y
+
+
+def quant_layers(model: torch.nn.Module):
+    """Every quantized layer in ``model`` (module tree order)."""
+    return [m for m in model.modules() if isinstance(m, _QuantLayer)]
+
+
+def invalidate_weight_caches(model: torch.nn.Module) -> None:
+    """Drop every layer's cached quantized weight copies: call after each optimizer step.
+
+    The cache (``WeightCache``) notices an update made through the parameter itself (``torch.optim`` steps
+    bump its version counter), but NOT a write through ``param.data`` or through a buffer the parameter
+    is a view of, which is how megatron's mixed-precision and distributed optimizers copy the updated main
+    weights into the model: without this call the layers would keep quantizing from stale copies.
+    """
+    for m in quant_layers(model):
+        m.lctx.weight_cache.clear()
