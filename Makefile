@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install data test test-unit test-triton test-dist test-gpu bench bench-kernels wheelhouse wheelhouse-h200 clean
+.PHONY: install data train test test-unit test-triton test-dist test-gpu bench bench-kernels wheelhouse wheelhouse-h200 clean
 
 install: $(STAMP)
 
@@ -60,6 +60,18 @@ data: $(STAMP)
 	$(PY) scripts/build_corpus.py
 	$(PY) scripts/prepare_data.py --input data/corpus/text/train.jsonl \
 		--valid-input data/corpus/text/validation.jsonl --output-prefix data/tokens/text
+
+# A few minutes of training on this machine's CPU: model=tiny precision=nvfp4, evaluation, checkpoints and
+# the loss plots in the run directory. Running it again resumes the run (delete the run directory to start
+# over); TRAIN_ARGS adds overrides, e.g. TRAIN_ARGS="schedule.train_steps=50". See docs/training.md.
+TRAIN_RUN ?= runs/tiny_nvfp4_cpu
+TRAIN_ARGS ?=
+train: $(STAMP)
+	test -f data/tokens/text_train.idx -a -f data/tokens/text_validation.idx || $(MAKE) --no-print-directory data
+	$(PY) train.py model=tiny precision=nvfp4 schedule=cpu_smoke data=text_cpu logging.progress=lines \
+		experiment.name=tiny_nvfp4_cpu experiment.run_dir=$(TRAIN_RUN) $(TRAIN_ARGS)
+	$(PY) scripts/plot_runs.py $(TRAIN_RUN) --smooth 10 --out $(TRAIN_RUN)/loss.png
+	$(PY) scripts/plot_runs.py $(TRAIN_RUN) --metric val_loss --out $(TRAIN_RUN)/val_loss.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache
