@@ -3,6 +3,8 @@ product of RECIPE §3's operands; set_recipe keeps the parameters; shapes a reci
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -197,3 +199,64 @@ def test_gradient_accumulation_fusion_refused():
         column(QuantColumnParallelLinear, 64, 32, cfg, layer_name="L")
     with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
         row(QuantRowParallelLinear, 64, 32, cfg, layer_name="L")
+
+
+def _sr_violations(recipe, gen, samples: int, bound_samples: int) -> float:
+    """Share of the entries of the mean input gradient of a quantized column layer that fall outside the
+    bound for an UNBIASED stochastic rounding of dy (dgrad: dx = Q(dy) · Wq, dy 1x16 blocks along N).
+
+    Derivation. The quantizer scales each element to v = dy·enc_b (replicated below with the reference's
+    fp32 operations) and stochastic rounding picks one of the two E2M1 neighbours of v, gap g(v) apart
+    (0.5 below 2, 1 below 4, 2 up to 6; |v| > 6 saturates to 6 deterministically), with
+    E[q] - clip(v) in [0, g/256) (8 random bits, docs/numerics.md). With d the block's decode scale, every
+    sample is dx_i = Σ_n q_imn·d_mn·Wq[n,k] up to its bf16/fp32 rounding, so for the mean of N samples:
+      |mean_i dx_i - Σ_n clip(v)_mn d_mn Wq[n,k]| <= bias + noise + rounding, where
+      bias     = Σ_n g_mn d_mn |Wq[n,k]| / 256,
+      noise    = sqrt(Σ_n (g_mn d_mn Wq[n,k])² · ln(2/δ) / (2N)): Hoeffding over the N·(#n) independent
+                 draws, each confined to an interval of width g·d·|Wq| / N; δ = 1e-9 per entry (1024 entries:
+                 a false failure has probability < 1e-6), the hash bits treated as independent draws,
+      rounding = 2^-7 · mean_i |dx_i| (bf16 output 2^-9 relative, fp32 alpha and sum 2^-23, with slack).
+    """
+    from kernels.nvfp4.reference import tensor_scales, transpose_nvfp4_ref
+
+    layer = column(QuantColumnParallelLinear, 32, 64, config(), recipe=recipe, layer_name="sr")
+    layer.weight.requires_grad_(False)  # dgrad only (wgrad's draws would only cost time)
+    x = torch.randn(16, 2, 32, generator=gen).bfloat16()
+    dy = torch.randn(16, 2, 64, generator=gen).bfloat16()
+    total = torch.zeros(32, 32, dtype=torch.float64)
+    total_abs = torch.zeros(32, 32, dtype=torch.float64)
+    for _ in range(samples):
+        xi = x.clone().requires_grad_()
+        y, _ = layer(xi)
+        y.backward(dy)
+        g = xi.grad.reshape(32, 32).double()
+        total += g
+        total_abs += g.abs()
+    mean, mean_abs = total / samples, total_abs / samples
+
+    dy2 = dy.reshape(32, 64)
+    q = quantize_nvfp4_ref(dy2)  # round-to-nearest: the same amax and block scales as the stochastic copy
+    _, s_dec = tensor_scales(q.amax)
+    sdec = q.scales.to(torch.float32)
+    enc = torch.clamp(1.0 / (sdec * s_dec), max=torch.finfo(torch.float32).max).repeat_interleave(16, dim=1)
+    v = (dy2.float() * enc).double()
+    d = (sdec.double() * (q.amax.double() / 2688.0)).repeat_interleave(16, dim=1)
+    a = v.abs()
+    gap = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)) * (a <= 6)
+    target = torch.sign(v) * a.clamp(max=6.0) * d
+    wq = dequantize_nvfp4_ref(transpose_nvfp4_ref(quantize_nvfp4_ref(layer.weight.detach(), block_2d=True)))
+    wq = wq.double()  # Wᵀ [K=32, N=64]
+    expect = target @ wq.t()
+    gd = gap * d
+    bias = gd @ wq.abs().t() / 256
+    noise = torch.sqrt((gd.square() @ wq.square().t()) * math.log(2 / 1e-9) / (2 * bound_samples))
+    bound = bias + noise + 2.0**-7 * mean_abs
+    return ((mean - expect).abs() > bound).double().mean().item()
+
+
+def test_stochastic_rounding_gradient_is_unbiased(gen):
+    assert _sr_violations(named_recipe("nvfp4"), gen, samples=400, bound_samples=400) == 0.0
+    # the bound has power: round-to-nearest (biased by up to half a gap per element) is deterministic, so one
+    # sample is its mean over 400, and that breaks the 400-sample bound widely
+    rne = apply_ablations(named_recipe("nvfp4"), Ablations(stochastic_rounding=False))
+    assert _sr_violations(rne, gen, samples=1, bound_samples=400) > 0.25
