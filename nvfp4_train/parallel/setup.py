@@ -2,7 +2,8 @@
 
 One order, always: (1) CPU compatibility when there is no CUDA device, (2) the CUDA device of this local rank,
 (3) ``init_process_group`` (nccl on CUDA, gloo on CPU) from the torchrun environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or a one-process group when started as plain ``python train.py``,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or from Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with
+MASTER_ADDR exported) under ``srun python train.py``, or a one-process group as plain ``python train.py``,
 (4) ``parallel_state.initialize_model_parallel(tp, pp)``; data parallelism is what remains
 (world = tp * pp * dp), (5) seeds: python, numpy and torch get ``seed + 100 * pp_rank`` (megatron's
 convention: pipeline stages initialise different layers), megatron's RNG tracker gets ``seed`` (it derives
@@ -102,6 +103,14 @@ def setup_parallel(cfg: ParallelConfig, *, seed: int) -> ParallelState:
 
     compat = enable_cpu_compat()
     cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # `srun python train.py`: one task per GPU, ranks from Slurm (torchrun not needed)
+        if "MASTER_ADDR" not in os.environ:
+            raise ValueError("srun without torchrun: export MASTER_ADDR (the first node, e.g. "
+                             "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)) and MASTER_PORT")
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        os.environ.setdefault("MASTER_PORT", "29500")
     if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
