@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""One megatron linear layer, forward + backward, under every named recipe, measured in ONE run.
+
+For each linear layer shape of the 12B model (RECIPE §6, M = 8192 tokens) it builds our
+``QuantColumnParallelLinear`` / ``QuantRowParallelLinear`` (TP=1, as the model does: column for qkv, fc1,
+in_proj; row for the attention projection, fc2, out_proj) with bf16 parameters and times
+``y = layer(x); y.backward(dy)`` under bf16 (megatron's stock path), fp8 (1x128 / 128x128 blocks),
+fp8_tensorwise, nvfp4 and mxfp4. It prints a markdown table per shape with
+
+  * forward, backward and total time (median of ``--iters`` iterations after ``--warmup``; CUDA events on a
+    GPU, ``time.perf_counter`` on CPU) and the total as a ratio to bf16's;
+  * bytes saved for backward by the layer (activation memory: tensors saved by autograd that are not the
+    layer's parameters, plus the quantized operands our Function keeps; the weight's cached quantized
+    copies are weight memory, not counted) and their ratio to bf16's (bf16 saves x itself);
+  * the relative error of y against the bf16 layer's (‖y - y_bf16‖ / ‖y_bf16‖), a sanity check that the
+    kernels ran the format's numerics (expect ~1e-1 for fp4, ~3e-2 for fp8; NaN or ~1 means broken);
+
+then the totals over the six shapes and the targets: nvfp4 <= 1.3x bf16 time, fp8 < 1.0x, nvfp4 saved
+<= 0.3x. By default the weight is re-quantized in every iteration (one micro-batch per optimizer step: the
+worst case); ``--reuse-weight`` keeps the cached copies (many micro-batches per step).
+
+Usage (repo root)::
+
+    python3 scripts/bench_linear.py                     # GPU: the 12B shapes
+    python3 scripts/bench_linear.py --json out.json     # also the raw numbers
+    python3 scripts/bench_linear.py --quick             # tiny shapes on CPU (a smoke test of this script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+RECIPES = ("bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4")
+M_TOKENS = 8192
+# (name, in_features K, out_features N, megatron class)
+SHAPES = [
+    ("attention.qkv", 5120, 7168, "column"),
+    ("attention.proj", 5120, 5120, "row"),
+    ("mlp.fc1", 5120, 20480, "column"),
+    ("mlp.fc2", 20480, 5120, "row"),
+    ("mamba.in_proj", 5120, 22656, "column"),
+    ("mamba.out_proj", 10240, 5120, "row"),
+]
+# --quick: the same six roles at CPU size (every dim a multiple of 128 so that every recipe runs)
+QUICK_M = 128
+QUICK_SHAPES = [
+    ("attention.qkv", 256, 384, "column"),
+    ("attention.proj", 256, 256, "row"),
+    ("mlp.fc1", 256, 512, "column"),
+    ("mlp.fc2", 512, 256, "row"),
+    ("mamba.in_proj", 256, 640, "column"),
+    ("mamba.out_proj", 384, 256, "row"),
+]
+TARGETS = {  # (recipe, quantity) -> (limit, strict)
+    ("nvfp4", "time"): (1.3, False),
+    ("fp8", "time"): (1.0, True),
+    ("nvfp4", "saved"): (0.3, False),
+}
+
+
+def setup_single_rank(device: torch.device) -> None:
+    """A one-rank process group and megatron's parallel state at TP=1 (megatron's layers need them)."""
+    if device.type == "cpu":
+        from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+    store = os.path.join(tempfile.mkdtemp(prefix="bench_linear_"), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def build_layer(kind: str, k: int, n: int, recipe_name: str, device: torch.device, seed: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nvfp4_train.precision.megatron_linear import QuantColumnParallelLinear, QuantRowParallelLinear
+    from nvfp4_train.precision.recipe import named_recipe
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=1, use_cpu_initialization=True,
+                            perform_initialization=False, params_dtype=torch.bfloat16, bf16=True)
+    common = dict(config=cfg, init_method=torch.nn.init.zeros_, bias=False, skip_bias_add=False,
+                  recipe=named_recipe(recipe_name), layer_name=f"bench.{kind}", seed=seed)
+    if kind == "column":
+        layer = QuantColumnParallelLinear(k, n, gather_output=False, **common)
+    else:
+        layer = QuantRowParallelLinear(k, n, input_is_parallel=True, **common)
+    layer = layer.to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.normal_(0.0, 0.0125, generator=g)  # RECIPE §6 init std
+    return layer
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        if self.cuda:
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def saved_bytes(layer, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Activation bytes one forward keeps for backward (see the module docstring), and the output."""
+    params = {id(p) for p in layer.parameters()}
+    seen: list[int] = []
+
+    def pack(t):
+        if id(t) not in params and not isinstance(t, torch.nn.Parameter):
+            seen.append(t.numel() * t.element_size())
+        return t
+
+    layer.lctx.saved_bytes = 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = layer(x)
+    return sum(seen) + layer.lctx.saved_bytes, y
+
+
+def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight: bool) -> dict:
+    fwd, bwd, tot = [], [], []
+    for i in range(warmup + iters):
+        x.grad = None
+        layer.weight.grad = None
+        if not reuse_weight:
+            layer.lctx.weight_cache.clear()
+        e0 = timer.mark()
+        y, _ = layer(x)
+        e1 = timer.mark()
+        y.backward(dy)
+        e2 = timer.mark()
+        timer.sync()
+        if i >= warmup:
+            fwd.append(timer.ms(e0, e1))
+            bwd.append(timer.ms(e1, e2))
+            tot.append(timer.ms(e0, e2))
+    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "ms": statistics.median(tot)}
+
+
+def run(args) -> dict:
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    setup_single_rank(device)
+    m, shapes = (QUICK_M, QUICK_SHAPES) if args.quick else (M_TOKENS, SHAPES)
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes]
+    timer = Timer(device)
+    results = []
+    for name, k, n, kind in shapes:
+        g = torch.Generator(device=device).manual_seed(1)
+        x = torch.randn(m, 1, k, device=device, generator=g).bfloat16().requires_grad_()
+        dy = (torch.randn(m, 1, n, device=device, generator=g) * 1e-3).bfloat16()
+        rows, y_ref = [], None
+        for recipe in args.recipes:
+            layer = build_layer(kind, k, n, recipe, device, seed=2)
+            nbytes, y = saved_bytes(layer, x)
+            y = y.detach().float()
+            if recipe == "bf16":
+                y_ref = y
+            rel = (float((y - y_ref).norm() / y_ref.norm()) if y_ref is not None else float("nan"))
+            t = bench_one(layer, x, dy, timer, args.warmup, args.iters, args.reuse_weight)
+            rows.append({"recipe": recipe, **t, "saved_bytes": nbytes, "y_rel_err": rel})
+            del layer
+        base = next((r for r in rows if r["recipe"] == "bf16"), None)
+        for r in rows:
+            r["time_ratio"] = r["ms"] / base["ms"] if base else None
+            r["saved_ratio"] = r["saved_bytes"] / base["saved_bytes"] if base else None
+        results.append({"shape": name, "kind": kind, "M": m, "K": k, "N": n, "rows": rows})
+    return {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "quick": args.quick, "reuse_weight": args.reuse_weight,
+        "warmup": args.warmup, "iters": args.iters, "shapes": results, "totals": totals(results),
+    }
+
+
+def totals(results: list[dict]) -> dict:
+    """Per recipe: the summed time and saved bytes over all shapes (a model's mix of layers), and ratios."""
+    out: dict[str, dict] = {}
+    for res in results:
+        for r in res["rows"]:
+            t = out.setdefault(r["recipe"], {"ms": 0.0, "saved_bytes": 0})
+            t["ms"] += r["ms"]
+            t["saved_bytes"] += r["saved_bytes"]
+    base = out.get("bf16")
+    for t in out.values():
+        t["time_ratio"] = t["ms"] / base["ms"] if base else None
+        t["saved_ratio"] = t["saved_bytes"] / base["saved_bytes"] if base else None
+    return out
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def report(res: dict) -> tuple[str, bool]:
+    lines = [f"# linear layer fwd+bwd ({res['device']}, torch {res['torch']}, median of {res['iters']} after "
+             f"{res['warmup']} warmup; weight {'reused' if res['reuse_weight'] else 're-quantized every iteration'})",
+             ""]
+    for s in res["shapes"]:
+        lines += [f"## {s['shape']} ({s['kind']}): M={s['M']}, K={s['K']} -> N={s['N']}", "",
+                  "| recipe | fwd ms | bwd ms | total ms | x bf16 | saved MiB | saved x bf16 | y rel.err |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in s["rows"]:
+            lines.append(
+                f"| {r['recipe']} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['bwd_ms'], '.3f')} | {fmt(r['ms'], '.3f')} | "
+                f"{fmt(r['time_ratio'], '.2f')} | {fmt(r['saved_bytes'] / 2**20, '.2f')} | "
+                f"{fmt(r['saved_ratio'], '.3f')} | {fmt(r['y_rel_err'], '.3g')} |")
+        lines.append("")
+    lines += ["## all six shapes (summed)", "", "| recipe | total ms | x bf16 | saved MiB | saved x bf16 |",
+              "|---|---:|---:|---:|---:|"]
+    for name, t in res["totals"].items():
+        lines.append(f"| {name} | {fmt(t['ms'], '.3f')} | {fmt(t['time_ratio'], '.2f')} | "
+                     f"{fmt(t['saved_bytes'] / 2**20, '.2f')} | {fmt(t['saved_ratio'], '.3f')} |")
+    lines += ["", "## targets (summed over the shapes; per shape in the tables above)", ""]
+    ok = True
+    for (recipe, what), (limit, strict) in TARGETS.items():
+        t = res["totals"].get(recipe)
+        if t is None or t.get(f"{what}_ratio") is None:
+            continue
+        v = t[f"{what}_ratio"]
+        met = v < limit if strict else v <= limit
+        ok &= met
+        lines.append(f"- {recipe} {what} {v:.3f}x bf16 {'<' if strict else '<='} {limit}: "
+                     f"{'met' if met else 'NOT met'}")
+    return "\n".join(lines), ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU, 1 warmup + 2 iterations")
+    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--shapes", nargs="*", help="subset of shape names (default: all six)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--reuse-weight", action="store_true",
+                    help="keep the cached quantized weight between iterations (default: re-quantize each time)")
+    args = ap.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 5
+    if args.iters is None:
+        args.iters = 2 if args.quick else 20
+    if "bf16" not in args.recipes:
+        args.recipes = ["bf16", *args.recipes]  # every ratio is to bf16 measured in the same run
+    res = run(args)
+    text, ok = report(res)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+    dist.destroy_process_group()
+    # the targets are for the GPU; on CPU (--quick) only the script's logic is exercised
+    return 0 if ok or args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

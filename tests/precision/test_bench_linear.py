@@ -1,0 +1,39 @@
+"""scripts/bench_linear.py --quick runs on CPU and reports what it claims (every shape x recipe, exact saved
+bytes per format)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_linear_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_linear.py"), "--quick", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # tiny GEMMs: threads only contend
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "## targets" in proc.stdout and "| nvfp4 |" in proc.stdout
+    res = json.loads(out.read_text())
+    assert len(res["shapes"]) == 6
+    for s in res["shapes"]:
+        m, k = s["M"], s["K"]
+        rows = {r["recipe"]: r for r in s["rows"]}
+        assert list(rows) == ["bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4"]
+        # bytes saved for backward: bf16 keeps x; the others only the columnwise (wgrad) copy of x
+        assert rows["bf16"]["saved_bytes"] == 2 * m * k
+        assert rows["nvfp4"]["saved_bytes"] == m * k // 2 + m * k // 16 + 4  # codes, E4M3 scales, amax
+        assert rows["mxfp4"]["saved_bytes"] == m * k // 2 + m * k // 32  # codes, E8M0 scales
+        assert rows["fp8"]["saved_bytes"] == m * k + 4 * m * k // 128  # E4M3, fp32 scale per 1x128
+        assert rows["fp8_tensorwise"]["saved_bytes"] == m * k + 4
+        assert rows["nvfp4"]["saved_ratio"] <= 0.3
+        assert rows["bf16"]["time_ratio"] == 1.0 and rows["bf16"]["y_rel_err"] == 0.0
+        # the quantized layers ran their formats (4-bit ~0.15, 8-bit ~0.04 relative error here)
+        for r, hi in (("fp8", 0.1), ("fp8_tensorwise", 0.1), ("nvfp4", 0.3), ("mxfp4", 0.3)):
+            assert 0 < rows[r]["y_rel_err"] < hi and rows[r]["ms"] > 0
+    assert set(res["totals"]) == {"bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4"}
