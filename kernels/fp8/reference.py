@@ -53,6 +53,7 @@ accumulation rounding (see ``kernels/fp8/gemm.py`` for the bound the GPU tests u
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,10 @@ def normalize_block(block) -> tuple[int, int] | None:
     """Accept None, (1, 128), (128, 128) (tuples or lists); anything else is a ValueError."""
     if block is None:
         return None
-    b = tuple(int(v) for v in block)
+    # only integers: int() would truncate (1.5, 128) to (1, 128), and a bare int or a string is no shape
+    ok = isinstance(block, (tuple, list)) and all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in block)
+    b = tuple(int(v) for v in block) if ok else ()
     if b not in BLOCK_SHAPES:
         raise ValueError(
             f"FP8 block must be None (per tensor), (1, {BLOCK}) or ({BLOCK}, {BLOCK}); got {block!r}"
