@@ -146,12 +146,13 @@ def saved_bytes(layer, x: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 
 def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight: bool) -> dict:
+    from nvfp4_train.precision.megatron_linear import set_weight_cache
+
+    set_weight_cache(layer, reuse_weight)  # off: the layer re-quantizes its weight in every forward
     fwd, bwd, tot = [], [], []
     for i in range(warmup + iters):
         x.grad = None
         layer.weight.grad = None
-        if not reuse_weight:
-            layer.lctx.weight_cache.clear()
         e0 = timer.mark()
         y, _ = layer(x)
         e1 = timer.mark()

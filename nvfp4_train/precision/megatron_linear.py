@@ -29,9 +29,11 @@ An all-bf16 recipe runs megatron's original ``_forward_impl`` (bitwise the stock
 state-dict keys are the stock ones: precision is not part of a checkpoint, and :meth:`set_recipe` changes it
 in place (the late switch to bf16, paper App. D). Gradient-accumulation fusion is not supported.
 
-The quantized weight copies are cached per optimizer step. The trainer must call
-:func:`invalidate_weight_caches` after every optimizer step: megatron's optimizers write the new weights
-through ``param.data`` / the parameter buffer, which the cache's version-counter check cannot see.
+Weight quantization: by default every forward re-quantizes the weight (always correct; for M = 8192 tokens
+it costs little next to the GEMMs). :func:`set_weight_cache` lets a layer keep its quantized weight across
+the micro-batches of one optimizer step; then the trainer MUST call :func:`invalidate_weight_caches` after
+every optimizer step: megatron's optimizers write the new weights through ``param.data`` / the parameter
+buffer, which the cache's version-counter check (``WeightCache``) cannot see.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ __all__ = [
     "recipe_shape_problems",
     "token_block",
     "check_recipe_shape",
+    "recipe_padding",
     "quant_layers",
+    "set_weight_cache",
     "invalidate_weight_caches",
 ]
 
@@ -116,6 +120,29 @@ def check_recipe_shape(recipe: QuantRecipe, out_features: int, in_features: int,
         )
 
 
+def recipe_padding(recipe: QuantRecipe, out_features: int, in_features: int) -> tuple[int, int]:
+    """Zeros to append to N and K so that every quantized operand's block divides its dims.
+
+    A weight whose N or K is not a multiple of a block (e.g. Mamba's in_proj, whose width ends with one
+    column per head) runs with x, W and b zero-padded along K and N, and the padded output columns dropped.
+    This is exact: appended zeros change no amax and no sum, so every partial block is quantized with the
+    scale of its real elements (as Transformer Engine treats a trailing partial block), and the gradients
+    of the padding are discarded by autograd. Under tensor parallelism each rank pads its own shard, so a
+    padded layer's block boundaries, and hence its numerics, depend on the TP size; unpadded layers do not.
+    """
+    need = {"N": 1, "K": 1}
+    for role in GEMM_ROLES:
+        g = getattr(recipe, role)
+        for i, cast in enumerate((g.a, g.b)):
+            if not cast.quantized or cast.block is None:
+                continue
+            _, rows, red = _OPERAND_DIMS[(role, i)]
+            for dim, blk in ((red, cast.block[1]), (rows, cast.block[0])):
+                if dim in need:
+                    need[dim] = max(need[dim], blk)  # blocks are powers of two: the max is the lcm
+    return (-out_features % need["N"], -in_features % need["K"])
+
+
 def _layer_seed(seed: int, layer_name: str) -> int:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
@@ -136,10 +163,11 @@ class _QuantLayer:
             raise TypeError(f"layer_name must be a str, got {type(layer_name).__name__}")
         self.layer_name = layer_name
         self._weight_shape = (out_f, in_f)
-        check_recipe_shape(recipe, out_f, in_f, layer_name)
+        self._pad = recipe_padding(recipe, out_f, in_f)
         group = self.tp_group if get_pg_size(self.tp_group) > 1 else None
         self.lctx = LinearContext(recipe=recipe, seed=_layer_seed(seed, layer_name), amax_group=group)
         self.quant_telemetry = LayerTelemetry()
+        self.weight_cache_enabled = False  # see set_weight_cache
 
     @property
     def recipe(self) -> QuantRecipe:
@@ -149,7 +177,7 @@ class _QuantLayer:
         """Run ``recipe`` from the next forward on (parameters untouched; the cached weight copies dropped)."""
         if not isinstance(recipe, QuantRecipe):
             raise TypeError(f"layer {self.layer_name!r}: recipe must be a QuantRecipe, got {type(recipe).__name__}")
-        check_recipe_shape(recipe, *self._weight_shape, self.layer_name)
+        self._pad = recipe_padding(recipe, *self._weight_shape)
         self.lctx.recipe = recipe
         self.lctx.weight_cache.clear()
 
@@ -177,7 +205,17 @@ class _QuantLayer:
                 f"supported by the quantized layers: turn it off or keep this layer in bf16"
             )
         self._check_tokens(x)
-        return quantized_linear(x, weight, bias, self.lctx)
+        if not self.weight_cache_enabled:
+            self.lctx.weight_cache.clear()
+        pn, pk = self._pad
+        if not (pn or pk):
+            return quantized_linear(x, weight, bias, self.lctx)
+        # a dim that is not a multiple of its block: zero-pad it to the next multiple (see recipe_padding)
+        n = weight.shape[0]
+        x = torch.nn.functional.pad(x, (0, pk))
+        weight = torch.nn.functional.pad(weight, (0, pk, 0, pn))
+        bias = None if bias is None else torch.nn.functional.pad(bias, (0, pn))
+        return quantized_linear(x, weight, bias, self.lctx)[..., :n]
 
 
 def _refuse_grad_accum_fusion(config, layer_name: str) -> None:
@@ -274,8 +312,18 @@ def quant_layers(model: torch.nn.Module):
     return [m for m in model.modules() if isinstance(m, _QuantLayer)]
 
 
+def set_weight_cache(model: torch.nn.Module, enabled: bool) -> None:
+    """Let every quantized layer keep its quantized weight between forwards (True) or re-quantize it in
+    every forward (False, the default). With the cache on, call :func:`invalidate_weight_caches` after every
+    optimizer step."""
+    for m in quant_layers(model):
+        m.weight_cache_enabled = enabled
+        m.lctx.weight_cache.clear()
+
+
 def invalidate_weight_caches(model: torch.nn.Module) -> None:
-    """Drop every layer's cached quantized weight copies: call after each optimizer step.
+    """Drop every layer's cached quantized weight copies: call after each optimizer step when the weight
+    cache is on (:func:`set_weight_cache`).
 
     The cache (``WeightCache``) notices an update made through the parameter itself (``torch.optim`` steps
     bump its version counter), but NOT a write through ``param.data`` or through a buffer the parameter
