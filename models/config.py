@@ -231,7 +231,7 @@ def _sizes() -> dict[str, ModelConfig]:
         # CPU tests and the default CPU run: all three block kinds, every width a multiple of 128, heads and
         # groups divisible by a tensor-parallel size of 2.
         "tiny": ModelConfig(
-            name="tiny", pattern="M-*-M-", num_layers=6, hidden_size=128, vocab_size=32000,
+            name="tiny", pattern="M-*-M-", num_layers=6, hidden_size=128, vocab_size=32768,
             ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2, kv_channels=64,
             mamba_num_heads=8, mamba_head_dim=32, mamba_num_groups=2, mamba_state_dim=32,
             mamba_chunk_size=32,
@@ -240,12 +240,12 @@ def _sizes() -> dict[str, ModelConfig]:
         # at ~81M parameters, our 32k tokenizer.
         "small": ModelConfig(
             name="small", pattern="M-M-M-M*-" * 2 + "M-M-M-M-", num_layers=26, hidden_size=512,
-            vocab_size=32000, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=4,
+            vocab_size=32768, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=4,
             kv_channels=64, mamba_num_heads=16, mamba_head_dim=64, mamba_num_groups=4, mamba_state_dim=128,
         ),
         # A hybrid at the classic 125M size (one M-M-M-M*- group and the tail), our 32k tokenizer.
         "125m": ModelConfig(
-            name="125m", pattern="M-M-M-M*-M-M-M-M-", num_layers=17, hidden_size=768, vocab_size=32000,
+            name="125m", pattern="M-M-M-M*-M-M-M-M-", num_layers=17, hidden_size=768, vocab_size=32768,
             ffn_hidden_size=3072, num_attention_heads=12, num_query_groups=4, kv_channels=64,
             mamba_num_heads=24, mamba_head_dim=64, mamba_num_groups=4, mamba_state_dim=128,
         ),

@@ -123,8 +123,11 @@ class MambaMixer(MegatronModule):
             self.dt_bias = torch.nn.Parameter(
                 init_dt_bias(self.nheads_local, dt_min, dt_max, dt_init_floor, device=dev, dtype=config.params_dtype)
             )
-            self.A_log = torch.nn.Parameter(init_A_log(self.nheads_local, A_init_range, device=dev))  # fp32
-        self.D = torch.nn.Parameter(init_D(self.nheads_local, device=dev))  # fp32
+            self.A_log = torch.nn.Parameter(
+                init_A_log(self.nheads_local, A_init_range, device=dev, dtype=config.params_dtype))
+        # all parameters in params_dtype, as megatron's bf16 wrapper leaves them: the optimizer keeps fp32
+        # master copies, and the scan reads A_log, D and dt_bias in fp32
+        self.D = torch.nn.Parameter(init_D(self.nheads_local, device=dev, dtype=config.params_dtype))
         self.norm = _GatedNorm(self.d_inner_local, device=dev, dtype=config.params_dtype)
         for p in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight):
             if p is not None:
@@ -145,7 +148,7 @@ class MambaMixer(MegatronModule):
         x, B, C = torch.split(xbc, [d, g * n, g * n], dim=-1)
         y = ssd_scan(
             x.unflatten(-1, (h, p)), dt, -torch.exp(self.A_log.float()), B.unflatten(-1, (g, n)),
-            C.unflatten(-1, (g, n)), self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+            C.unflatten(-1, (g, n)), self.chunk_size, D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True,
         )
         y = rmsnorm_gated(y.flatten(-2), z, self.norm.weight, self.eps, group_size=d // g)
         out, out_bias = self.out_proj(y.transpose(0, 1).contiguous())

@@ -70,7 +70,7 @@ def test_tiny_has_all_kinds_and_our_vocab():
     cfg = SIZES["tiny"]
     p = cfg.hybrid_pattern()
     assert p.num_mamba and p.num_mlp and p.num_attention and p.num_blocks <= 8
-    assert 64 <= cfg.hidden_size <= 128 and cfg.vocab_size == 32000
+    assert 64 <= cfg.hidden_size <= 128 and cfg.vocab_size == 32768
 
 
 def test_1_2b_is_a_plain_transformer():

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Model-level benchmark on one GPU: forward + backward step time, tokens/s, MFU and peak memory of the hybrid
+model under several recipes, measured in ONE run (ratios to BF16 are what count).
+
+Cases (``--cases``):
+  slice12b   a 4-block slice of the 12B (real widths: hidden 5120, MLP 20480, 40/8 heads, Mamba 128x80;
+             pattern ``M-*-``), sequence 8192, micro-batch 1, every block in the recipe (no bf16 blocks)
+  small      the ``small`` hybrid, sequence 2048, micro-batch 8, the recipe's default layer map
+  1.2b       the 1.2B Transformer, sequence 4096, micro-batch 2, the recipe's default layer map
+
+For each case and recipe: build the model (bf16 parameters) on the GPU, run ``--warmup`` then ``--iters``
+steps of forward + backward (loss = mean per-token cross entropy), timed with CUDA events, median step time.
+The optimizer step is not included (it is the same FP32 AdamW for every recipe). Peak memory is
+``torch.cuda.max_memory_allocated`` during the timed steps; "activations" is the peak minus the memory held
+before the first forward (weights + gradients), i.e. what the step saved for backward plus workspace.
+MFU = model FLOPs per token (``models.flops``) x tokens/s / 989.4 TFLOP/s (H200 dense BF16 peak; Hopper has
+no FP4 tensor cores, so BF16 peak is the ceiling for every recipe here).
+
+    python3 scripts/bench_model.py --cases slice12b small 1.2b --recipes bf16 fp8 nvfp4 --json out.json
+    python3 scripts/bench_model.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+H200_BF16_PEAK = 989.4e12
+
+CASES = {
+    # name: (size, overrides, seq, micro_batch, keep_all_quantized)
+    "slice12b": ("12b", {"pattern": "M-*-", "num_layers": 4}, 8192, 1, True),
+    "small": ("small", {}, 2048, 8, False),
+    "1.2b": ("1.2b", {}, 4096, 2, False),
+    "tiny": ("tiny", {}, 256, 2, False),
+}
+
+
+def _init_dist() -> None:
+    import torch.distributed as dist
+
+    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"file://{store}",
+                                rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+
+
+def bench_case(case: str, recipe: str, warmup: int, iters: int) -> dict:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from models.build import build_model, transformer_config
+    from models.config import count_parameters, model_config
+    from models.flops import training_flops_per_token
+    from nvfp4_train.precision.layer_map import LayerPrecisionMap
+
+    size, overrides, seq, mb, all_q = CASES[case]
+    mc = model_config(size).replace(**overrides)
+    keep = {"keep_first": 0, "keep_last": 0} if all_q and recipe != "bf16" else {}
+    lm = LayerPrecisionMap(mc.pattern, recipe, **keep)
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build_model(mc, lm, config=transformer_config(mc), seq_length=seq)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, mc.vocab_size, (mb, seq), generator=g).to(dev)
+    pos = torch.arange(seq, device=dev)[None].expand(mb, seq)
+
+    def step() -> None:
+        loss = model(ids, pos, None, labels=ids).float().mean()
+        loss.backward()
+
+    for _ in range(warmup):
+        step()
+    model.zero_grad(set_to_none=False)
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        base = peak = 0
+        for _ in range(iters):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    t = statistics.median(times)
+    tokens = mb * seq
+    tps = tokens / t
+    flops = training_flops_per_token(mc, seq)
+    res = dict(case=case, recipe=recipe, params=count_parameters(mc), seq=seq, micro_batch=mb,
+               bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t, tokens_per_s=tps,
+               tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
+               peak_gib=peak / 2**30, activation_gib=(peak - base) / 2**30)
+    del model
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=["slice12b", "small", "1.2b"], choices=sorted(CASES))
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8", "nvfp4"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 2 steps")
+    a = ap.parse_args()
+    if a.quick:
+        a.cases, a.warmup, a.iters = ["tiny"], 1, 2
+    _init_dist()
+    rows = []
+    for case in a.cases:
+        for recipe in a.recipes:
+            try:
+                rows.append(bench_case(case, recipe, a.warmup, a.iters))
+            except Exception as e:  # report and go on: one failing recipe must not hide the others
+                rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
+            r = rows[-1]
+            print(json.dumps(r), flush=True)
+    print()
+    print("| case | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | TFLOP/s | MFU | peak GiB | act. GiB | act. vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {r["case"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['case']} | {r['recipe']} | error: {r['error'][:120]} |||||||||")
+            continue
+        b = base.get(r["case"])
+        ratio = f"{r['step_s'] / b['step_s']:.2f}x" if b else "-"
+        aratio = f"{r['activation_gib'] / b['activation_gib']:.2f}x" if b and b["activation_gib"] > 0 else "-"
+        print(f"| {r['case']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | {r['step_s'] * 1e3:.1f} | "
+              f"{ratio} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | "
+              f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} | {aratio} |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
