@@ -472,9 +472,10 @@ def _sharded_state(ddp, optimizer, *, is_loading: bool) -> dict:
 
 
 def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, trainer_state: dict, config_yaml: str,
-                    meta: dict, keep_last: int) -> Path:
+                    meta: dict, keep_last: int, rank_extra: dict | None = None) -> Path:
     """Save a training state as ``root/step_XXXXXXX`` (collective: every rank calls it). See the module
-    docstring for the order that keeps the previous checkpoints safe."""
+    docstring for the order that keeps the previous checkpoints safe. ``rank_extra`` is saved with this
+    rank's RNG states (e.g. the quantized layers' stochastic-rounding counters)."""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -488,7 +489,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
         (tmp / "rng").mkdir()
     _barrier()
     dist_checkpointing.save(_sharded_state(ddp, optimizer, is_loading=False), str(tmp / "dist"))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    torch.save({**rng_state(), "extra": rank_extra or {}}, tmp / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
         _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
         _write_atomic(tmp / "config.yaml", config_yaml)
@@ -505,7 +506,8 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
 
 def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, model_config: dict) -> dict:
     """Load a verified checkpoint into ``ddp`` and ``optimizer``; restore this rank's RNG states when the
-    parallel layout is the same. Returns the trainer state (with ``resharded`` set when TP/PP differ)."""
+    parallel layout is the same. Returns the trainer state (with ``resharded`` set when TP/PP differ, and this
+    rank's ``rank_extra`` when the layout is the same, else None)."""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -540,9 +542,12 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
                 f"optimizer state (FP32 master weights, Adam moments) reshards only over DP, so the master weights "
                 f"restart from the bf16 weights and the Adam moments from zero", stacklevel=2)
     trainer_state["resharded"] = not same_model_layout
+    trainer_state["rank_extra"] = None
     if saved_layout == layout:
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        saved_rng = torch.load(rng_file, weights_only=False)
+        set_rng_state(saved_rng)
+        trainer_state["rank_extra"] = saved_rng.get("extra")
     elif _rank() == 0:
         warnings.warn(f"checkpoint {path}: parallel layout {saved_layout} differs from this run's {layout}; RNG "
                       f"states are not restored (the run continues from its seeds)", stacklevel=2)

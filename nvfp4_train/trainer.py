@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import logging
 import math
+import re
 import signal
 import time
 import warnings
@@ -67,7 +68,7 @@ def hybrid_model_provider(cfg):
 
     def provider(pre_process: bool, post_process: bool):
         return build_model(cfg.model, layer_map, config=tcfg, pre_process=pre_process, post_process=post_process,
-                           seed=cfg.experiment.seed)
+                           seed=cfg.experiment.seed, seq_length=cfg.data.seq_length)
 
     return provider
 
@@ -85,13 +86,21 @@ def resolve_model_provider(cfg):
     return factory(cfg)
 
 
+_LAYER_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
 def _base_recipe(layer, layer_map):
+    """The recipe a quantized layer was built with: from its ``layer_name`` ``blocks.<global block>.<role>``
+    (``models.hybrid``), its ``block``/``role`` attributes, or its ``base_recipe``."""
+    m = _LAYER_NAME.match(getattr(layer, "layer_name", "") or "")
+    if m:
+        return layer_map.recipe(int(m.group(1)), m.group(2))
     if hasattr(layer, "block") and hasattr(layer, "role"):
         return layer_map.recipe(layer.block, layer.role)
     if hasattr(layer, "base_recipe"):
         return layer.base_recipe
-    raise TypeError(f"{type(layer).__name__} from precision_layers() has neither (block, role) attributes nor a "
-                    f"base_recipe: the trainer cannot tell which recipe it was built with")
+    raise TypeError(f"{type(layer).__name__} from precision_layers() has neither a layer_name 'blocks.<i>.<role>', "
+                    f"(block, role) attributes nor a base_recipe: the trainer cannot tell which recipe it was built with")
 
 
 def apply_precision_switch(module, layer_map, switch, *, step: int, total_steps: int) -> int:
@@ -104,6 +113,28 @@ def apply_precision_switch(module, layer_map, switch, *, step: int, total_steps:
     for _name, layer in module.precision_layers():
         layer.set_recipe(recipe_in_effect(_base_recipe(layer, layer_map), switch, step=step, total_steps=total_steps))
         n += 1
+    return n
+
+
+def quant_rng_counters(module) -> dict[str, int]:
+    """The stochastic-rounding call counters of the quantized layers (``layer.lctx.calls``: each layer's SR
+    seed is derived from its base seed and this counter), by layer name. Saved per rank in checkpoints so
+    that a resumed run draws the same rounding as an uninterrupted one."""
+    if not hasattr(module, "precision_layers"):
+        return {}
+    return {name: int(layer.lctx.calls) for name, layer in module.precision_layers()
+            if hasattr(getattr(layer, "lctx", None), "calls")}
+
+
+def set_quant_rng_counters(module, counters: dict[str, int]) -> int:
+    """Restore :func:`quant_rng_counters`; returns how many layers were set."""
+    n = 0
+    if not counters or not hasattr(module, "precision_layers"):
+        return n
+    for name, layer in module.precision_layers():
+        if name in counters and hasattr(getattr(layer, "lctx", None), "calls"):
+            layer.lctx.calls = counters[name]
+            n += 1
     return n
 
 
@@ -221,6 +252,8 @@ class _Trainer:
             tstate = load_checkpoint(path, ddp=self.ddp, optimizer=self.optimizer, layout=ps.layout(),
                                      model_config=dataclasses.asdict(cfg.model))
             self.step = tstate["step"]
+            if tstate.get("rank_extra"):
+                set_quant_rng_counters(_unwrap(self.ddp), tstate["rank_extra"].get("quant_calls", {}))
             self.skipped_steps = tstate.get("skipped_steps", 0)
             if tstate.get("consumed_samples") != self.step * gbs:
                 raise ValueError(f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not "
@@ -328,7 +361,8 @@ class _Trainer:
         t0 = time.time()
         path = save_checkpoint(self.ckpt_dir, step=self.step, ddp=self.ddp, optimizer=self.optimizer,
                                trainer_state=self._trainer_state(), config_yaml=self.config_yaml, meta=meta,
-                               keep_last=self.cfg.checkpoint.keep_last)
+                               keep_last=self.cfg.checkpoint.keep_last,
+                               rank_extra={"quant_calls": quant_rng_counters(_unwrap(self.ddp))})
         self.metrics.event("checkpoint", self.step, path=str(path), seconds=round(time.time() - t0, 3))
         self.metrics.note(f"step {self.step}: checkpoint {path}")
         return str(path)
