@@ -100,6 +100,7 @@ def quantize_fp8_tensorwise(x: torch.Tensor, amax: torch.Tensor | None = None, a
     """Per-tensor current scaling of a 2-D bf16/fp32 tensor (``amax``: optional precomputed raw amax;
     ``amax_group``: a process group over which the amax is MAX-all-reduced first)."""
     check_input(x, None)
+    check_amax_block(None, amax)
     amax = _tensor_amax(x, amax, amax_group)
     if not use_triton(x):
         return quantize_fp8_tensorwise_ref(x, amax)

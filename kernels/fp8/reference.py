@@ -174,6 +174,7 @@ def quantize_fp8_tensorwise_ref(x: torch.Tensor, amax: torch.Tensor | None = Non
     amax, e.g. all-reduced over tensor-parallel ranks; it must be what ``fp8_amax_ref`` gives for the whole
     tensor for the result to be the recipe's)."""
     check_input(x, None)
+    check_amax_block(None, amax)
     x32 = x.to(torch.float32)
     if amax is None:
         amax = fp8_amax_ref(x32)
@@ -202,6 +203,9 @@ def quantize_fp8_blockwise_ref(x: torch.Tensor, block=(1, BLOCK)) -> FP8Tensor:
 
 
 def check_amax_block(block, amax) -> None:
+    if amax is not None and (not isinstance(amax, torch.Tensor) or amax.numel() != 1):
+        got = f"shape {tuple(amax.shape)}" if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise ValueError(f"amax must be a one-element tensor (the tensor amax, e.g. fp8_amax(x)), got {got}")
     if amax is not None and block is not None:
         raise ValueError(f"a precomputed amax is for per-tensor scaling (block=None), not {block} blocks, "
                          "whose scales come from their own block amax")

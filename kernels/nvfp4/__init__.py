@@ -21,6 +21,7 @@ from kernels.fp4_reference import seed_key
 from kernels.nvfp4.reference import (
     BLOCK,
     NVFP4Tensor,
+    check_amax,
     check_input,
     check_rowcol_input,
     dequantize_nvfp4_ref,
@@ -68,6 +69,7 @@ def quantize_nvfp4(
     Transform first (pass x^T for a columnwise copy); ``stochastic`` rounds with 8 random bits per
     element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax."""
     check_input(x, block_2d)
+    check_amax(amax)
     if not use_triton(x):
         return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax)
     from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
@@ -111,6 +113,8 @@ def quantize_nvfp4_rowcol(
             row_amax=row_amax, col_amax=col_amax,
         )
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
+    check_amax(row_amax, "row_amax")
+    check_amax(col_amax, "col_amax")
     from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
 
     rc, rs, cc, cs, am = quantize_nvfp4_rowcol_triton(

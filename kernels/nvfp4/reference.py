@@ -104,6 +104,13 @@ def check_input(x: torch.Tensor, block_2d: bool) -> None:
         )
 
 
+def check_amax(amax: torch.Tensor | None, name: str = "amax") -> None:
+    """A supplied tensor amax is one number (0-d or one element), as ``nvfp4_amax(x)[0]`` gives."""
+    if amax is not None and (not isinstance(amax, torch.Tensor) or amax.numel() != 1):
+        got = f"shape {tuple(amax.shape)}" if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise ValueError(f"{name} must be a one-element tensor (the tensor amax, e.g. nvfp4_amax(x)[0]), got {got}")
+
+
 def hadamard16_ref(x: torch.Tensor) -> torch.Tensor:
     """Random Hadamard Transform of each 16 consecutive elements of the last dim; returns fp32 values
     rounded to ``x.dtype`` (see the module docstring for the exact order of operations)."""
@@ -179,6 +186,7 @@ def quantize_nvfp4_ref(
     function would compute for the result to be the recipe's.
     """
     check_input(x, block_2d)
+    check_amax(amax)
     m, k = x.shape
     x32 = (hadamard16_ref(x) if rht else x.to(torch.float32)).contiguous()
     if amax is None:
@@ -257,6 +265,8 @@ def quantize_nvfp4_rowcol_ref(
     the columnwise copy of x^T ([K, M], blocks along M; Hadamard-mixed when ``col_rht``, its own amax).
     In 2-D mode the columnwise copy is the rowwise copy transposed (same values, same amax)."""
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
+    check_amax(row_amax, "row_amax")
+    check_amax(col_amax, "col_amax")
     row = quantize_nvfp4_ref(x, block_2d=block_2d, stochastic=row_stochastic, seed=row_seed, amax=row_amax)
     if block_2d:
         return row, transpose_nvfp4_ref(row)

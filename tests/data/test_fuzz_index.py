@@ -357,3 +357,17 @@ def test_build_datasets_names_a_dtype_mismatch_with_the_meta_file(tmp_path, tok)
     with pytest.raises(ValueError, match=rf"{prefix}\.idx says the tokens are uint16, but {prefix}\.meta\.json "
                                          rf"records int32"):
         build_datasets(cfg, train_samples=4, valid_samples=0, tokenizer=tok)
+
+
+def test_bad_meta_file_and_missing_tokenizer_are_named(tmp_path, tok):
+    prefix = write_dataset(tmp_path / "m", random_docs(np.random.default_rng(0), n=30))
+    meta = Path(f"{prefix}.meta.json")
+    for text, msg in (("{", rf"{meta} is not valid JSON"), ("[1, 2]", rf"{meta} is not a JSON object")):
+        meta.write_text(text)
+        with pytest.raises(ValueError, match=msg + r".*re-run prepare_data.py or delete it"):
+            build_datasets(split_config(prefix, tmp_path), train_samples=4, valid_samples=0, tokenizer=tok)
+    meta.unlink()
+    cfg = DataConfig(train_prefixes=[str(prefix)], valid_prefixes=[], split="100,0,0", seq_length=16,
+                     tokenizer=str(tmp_path / "no_such_tokenizer.json"))
+    with pytest.raises(FileNotFoundError, match=r"tokenizer file .*no_such_tokenizer\.json not found"):
+        build_datasets(cfg, train_samples=4, valid_samples=0)

@@ -289,6 +289,33 @@ def test_fp8_bad_block_is_a_value_error(block):
     assert quantize_fp8(torch.zeros(128, 128), block=[1, 128]).block == (1, 128)
 
 
+@pytest.mark.parametrize("amax", [torch.ones(2), torch.ones(0), 1.0, torch.ones(1, 2)])
+def test_supplied_amax_must_be_one_number(amax):
+    """Regression: a supplied amax of the wrong shape failed inside reshape with a bare RuntimeError."""
+    x = torch.randn(32, 128)
+    with pytest.raises(ValueError, match=r"amax must be a one-element tensor .*nvfp4_amax\(x\)\[0\]\), got"):
+        quantize_nvfp4(x, amax=amax)
+    with pytest.raises(ValueError, match=r"col_amax must be a one-element tensor"):
+        quantize_nvfp4_rowcol(x, col_amax=amax)
+    with pytest.raises(ValueError, match=r"amax must be a one-element tensor .*fp8_amax\(x\)\), got"):
+        quantize_fp8(x, amax=amax)
+    from kernels.fp8 import quantize_fp8_tensorwise
+
+    with pytest.raises(ValueError, match=r"amax must be a one-element tensor"):
+        quantize_fp8_tensorwise(x, amax=amax)
+    one = nvfp4_amax(x)[0]
+    assert torch.equal(quantize_nvfp4(x, amax=one.reshape(1)).codes, quantize_nvfp4(x).codes)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_seed_out_of_range(seed):
+    x = torch.randn(32, 32)
+    for call in (lambda: quantize_nvfp4(x, stochastic=True, seed=seed),
+                 lambda: quantize_mxfp4(x, stochastic=True, seed=seed)):
+        with pytest.raises(ValueError, match=rf"seed must be in \[0, 2\*\*32\), got {seed}"):
+            call()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # NVFP4
 # ----------------------------------------------------------------------------------------------------------
