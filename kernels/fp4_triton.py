@@ -177,3 +177,76 @@ def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
     p = tl.reshape(codes, [R, C // 2, 2])
     lo, hi = tl.split(p)
     return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def e2m1_code_rne(y):
+    """fp32 -> int32 E2M1 code (0..15), RNE, saturating: what ``e2m1_round_nearest`` computes for every
+    non-NaN input, with one rounding add instead of seven comparisons. (NaN gives an unspecified code:
+    callers zero the codes of a NaN tensor amax themselves.)
+
+    m = min(|y|, 6). The E2M1 step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 8), i.e. 2^(e-1) with
+    e = max(floor(log2 m), 0) (at most 2 since m <= 6); adding the magic number 2^(22+e) rounds m to that step (RNE, the
+    hardware's own ties) and leaves n = round(m / step) in the low bits of the sum. The code is n + 2e.
+    """
+    m = tl.minimum(tl.abs(y), 6.0)
+    e = tl.maximum(u32(m) & 0x7F800000, 0x3F800000)  # 2^e as bits: 1.0, 2.0 or 4.0 (m <= 6)
+    q = e + (22 << 23)  # bits of 2^(22 + e)
+    t = m + q.to(tl.float32, bitcast=True)
+    code = (u32(t) - q + ((q >> 22) - 298)).to(tl.int32)  # n + 2e ((q >> 22) = 298 + 2e)
+    return code | ((y < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def round_to_bf16_fast(y, NATIVE: tl.constexpr):
+    """``round_to_bf16`` without the NaN guard (NaN may come back as -0.0: callers that can meet NaN handle
+    it from the tensor amax). ``NATIVE`` uses the GPU's RNE conversion (one instruction per 2 values); the
+    interpreter's conversion differs, so it must be False there."""
+    if NATIVE:
+        return y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        bits = u32(y)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_rne_pos_native(s, NATIVE: tl.constexpr):
+    """``e4m3_rne_pos`` through the GPU's own conversion when ``NATIVE`` (cvt.rn.satfinite to e4m3: the same
+    RNE with subnormals, NaN -> 0x7F); the bit arithmetic otherwise (the interpreter rounds differently)."""
+    if NATIVE:
+        f8 = s.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        return f8.to(tl.uint8, bitcast=True).to(tl.int32), f8.to(tl.float32)
+    else:
+        return e4m3_rne_pos(s)
+
+
+@triton.jit
+def random_bits8_top(c):
+    """``mix32(c) >> 24`` as int32 in [0, 256): lowbias32's last xorshift (x ^ x >> 16) leaves the top byte
+    unchanged, so it is skipped."""
+    x = c ^ (c >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return (x >> 24).to(tl.int32)
+
+
+@triton.jit
+def e2m1_code_sr(y, rbits):
+    """``e2m1_round_stochastic(y, rbits)`` for every non-NaN y, with integer compares on the fp32 bits.
+
+    m = min(|y|, 6). For m >= 1 the code before rounding up is (bits >> 22) - 252 and (m - lo) / gap * 256
+    is the 22 bits below the kept mantissa bit over 2^14, so ``up`` is r << 14 < those bits (exact integer
+    compare); in [0.5, 1) the code is 1 and the fraction is the 23-bit mantissa over 2^15; below 0.5 the
+    code is 0 and up iff r < 512 m (r as float, exact).
+    """
+    m = tl.minimum(tl.abs(y), 6.0)
+    b = u32(m)
+    r = rbits.to(tl.uint32)
+    hi = ((b >> 22).to(tl.int32) - 252) + ((r << 14) < (b & 0x3FFFFF)).to(tl.int32)
+    mid = 1 + ((r << 15) < (b & 0x7FFFFF)).to(tl.int32)
+    rf = (r | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    lo = (rf < m * 512.0).to(tl.int32)
+    code = tl.where(m >= 1.0, hi, tl.where(m >= 0.5, mid, lo))
+    return code | ((y < 0).to(tl.int32) << 3)

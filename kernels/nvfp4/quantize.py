@@ -25,15 +25,22 @@ import triton
 import triton.language as tl
 
 from kernels.fp4_triton import (
+    as_kernel_input,
+    e2m1_code_rne,
+    e2m1_code_sr,
     e2m1_round_nearest,
     e2m1_round_stochastic,
-    as_kernel_input,
     e4m3_rne_pos,
+    e4m3_rne_pos_native,
     hadamard16,
+    load_as_f32,
     load_tile,
+    mix32,
     pack_pairs,
     random_bits8,
+    random_bits8_top,
     round_to_bf16,
+    round_to_bf16_fast,
 )
 from kernels.nvfp4.reference import RHT_SIGNS
 
@@ -189,6 +196,388 @@ def _quantize_kernel(
         tl.store(col_scales_ptr + rk[:, None] * (M // 16) + rms[None, :], csbyte.to(tl.uint8), mask=smask)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Grouped design (default): every thread owns the same positions of 16 consecutive rows
+# ----------------------------------------------------------------------------------------------------------
+#
+# A program owns the [BM, BK] tile at (m0, k0) and loads it as 16 tensors x0..x15 of shape [G, KB, 16]
+# (G = BM/16, KB = BK/16): x_i[g, kb, j] = x[m0 + 16g + i, k0 + 16kb + j]. Each is a plain coalesced load of
+# G rows, and all 16 have the same layout, so everything the columnwise copy does along M (the Hadamard
+# butterfly, the block amax over 16 rows, packing 16 codes into one 64-bit word) is elementwise arithmetic
+# between the 16 tensors: it stays in registers, with no transpose. The rowwise copy reduces each x_i over
+# its last axis (16 consecutive k). The only data movement between threads is that reduction and the
+# store of the packed column words (Triton routes it through shared memory to coalesce it).
+
+
+@triton.jit
+def _bfly(a, b):
+    return a + b, a - b
+
+
+@triton.jit
+def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """x_i * (s_i/4) (exact), then the butterfly stages with strides 1, 2, 4, 8 (the reference's order)."""
+    x0 = x0 * 0.25
+    x1 = x1 * 0.25
+    x2 = x2 * 0.25
+    x3 = x3 * -0.25
+    x4 = x4 * 0.25
+    x5 = x5 * -0.25
+    x6 = x6 * -0.25
+    x7 = x7 * -0.25
+    x8 = x8 * -0.25
+    x9 = x9 * -0.25
+    x10 = x10 * -0.25
+    x11 = x11 * 0.25
+    x12 = x12 * -0.25
+    x13 = x13 * 0.25
+    x14 = x14 * -0.25
+    x15 = x15 * -0.25
+    x0, x1 = _bfly(x0, x1)
+    x2, x3 = _bfly(x2, x3)
+    x4, x5 = _bfly(x4, x5)
+    x6, x7 = _bfly(x6, x7)
+    x8, x9 = _bfly(x8, x9)
+    x10, x11 = _bfly(x10, x11)
+    x12, x13 = _bfly(x12, x13)
+    x14, x15 = _bfly(x14, x15)
+    x0, x2 = _bfly(x0, x2)
+    x1, x3 = _bfly(x1, x3)
+    x4, x6 = _bfly(x4, x6)
+    x5, x7 = _bfly(x5, x7)
+    x8, x10 = _bfly(x8, x10)
+    x9, x11 = _bfly(x9, x11)
+    x12, x14 = _bfly(x12, x14)
+    x13, x15 = _bfly(x13, x15)
+    x0, x4 = _bfly(x0, x4)
+    x1, x5 = _bfly(x1, x5)
+    x2, x6 = _bfly(x2, x6)
+    x3, x7 = _bfly(x3, x7)
+    x8, x12 = _bfly(x8, x12)
+    x9, x13 = _bfly(x9, x13)
+    x10, x14 = _bfly(x10, x14)
+    x11, x15 = _bfly(x11, x15)
+    x0, x8 = _bfly(x0, x8)
+    x1, x9 = _bfly(x1, x9)
+    x2, x10 = _bfly(x2, x10)
+    x3, x11 = _bfly(x3, x11)
+    x4, x12 = _bfly(x4, x12)
+    x5, x13 = _bfly(x5, x13)
+    x6, x14 = _bfly(x6, x14)
+    x7, x15 = _bfly(x7, x15)
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
+def _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """Elementwise max of |x_i|, NaN if any is NaN (one instruction per max on the GPU)."""
+    n: tl.constexpr = tl.PropagateNan.ALL
+    a = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), n), tl.maximum(tl.abs(x2), tl.abs(x3), n), n)
+    b = tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5), n), tl.maximum(tl.abs(x6), tl.abs(x7), n), n)
+    c = tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9), n), tl.maximum(tl.abs(x10), tl.abs(x11), n), n)
+    d = tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13), n), tl.maximum(tl.abs(x14), tl.abs(x15), n), n)
+    return tl.maximum(tl.maximum(a, b, n), tl.maximum(c, d, n), n)
+
+
+@triton.jit
+def _pack8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """8 int32 codes -> one uint32 word, c0 in the low nibble (the byte order of ``pack_pairs``)."""
+    w = c0 | (c1 << 4) | (c2 << 8) | (c3 << 12) | (c4 << 16) | (c5 << 20) | (c6 << 24) | (c7 << 28)
+    return w.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _ld_row(x_ptr, offs, stride_m, i: tl.constexpr, row0, M, kmask, IS_BF16: tl.constexpr, NATIVE: tl.constexpr,
+            EVEN: tl.constexpr):
+    """x_i: rows row0 + i of the tile's groups, as fp32 [G, KB, 16]. ``EVEN``: the tile is inside x (no
+    mask). ``NATIVE``: bf16 through the GPU's own (exact) conversion; else through its bits."""
+    p = x_ptr + offs + i * stride_m
+    if IS_BF16 and NATIVE:
+        pb = p.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        if EVEN:
+            return tl.load(pb).to(tl.float32)
+        else:
+            return tl.load(pb, mask=((row0 + i) < M) & kmask, other=0.0).to(tl.float32)
+    else:
+        return load_as_f32(p, ((row0 + i) < M) & kmask, IS_BF16)
+
+
+@triton.jit
+def _block_scale(blk_amax, s_dec, c, NATIVE: tl.constexpr):
+    """(enc_b, scale byte) of blocks with amax ``blk_amax`` (RECIPE §2)."""
+    s = blk_amax * c
+    s = tl.where(s > 448.0, 448.0, s)
+    sbyte, sval = e4m3_rne_pos_native(s, NATIVE)
+    enc = tl.math.div_rn(tl.full(sval.shape, 1.0, tl.float32), sval * s_dec)
+    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
+    return enc, sbyte
+
+
+@triton.jit
+def _codes(y, idx, key, SR: tl.constexpr):
+    """E2M1 codes of y (already scaled), RNE or stochastic with the counter hash of ``idx`` (uint32)."""
+    if SR:
+        return e2m1_code_sr(y, random_bits8_top(idx + key))
+    else:
+        return e2m1_code_rne(y)
+
+
+@triton.jit
+def _row_quant(v, enc, sbyte, i: tl.constexpr, row0, M, K, k0, rbase, key, zero_codes,
+               row_codes_ptr, row_scales_ptr, WRITE_ROW: tl.constexpr, SR: tl.constexpr,
+               G: tl.constexpr, KB: tl.constexpr):
+    """Rowwise copy of rows row0 + i (blocks of 16 along k): returns the codes [G, KB, 16] and stores
+    the packed codes and the scales when WRITE_ROW."""
+    codes = _codes(v * enc[:, :, None], rbase + i * K.to(tl.uint32), key, SR)
+    codes = tl.where(zero_codes, 0, codes)
+    if WRITE_ROW:
+        m = row0 + i  # [G, 1, 1]
+        lo, hi = tl.split(tl.reshape(codes, [G, KB, 8, 2]))
+        kh = k0 // 2 + 8 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 8)[None, None, :]
+        tl.store(row_codes_ptr + m * (K // 2) + kh, (lo | (hi << 4)).to(tl.uint8), mask=(m < M) & (kh < K // 2))
+        m2 = tl.reshape(m, [G, 1])
+        ks = k0 // 16 + tl.arange(0, KB)[None, :]
+        tl.store(row_scales_ptr + m2 * (K // 16) + ks, sbyte.to(tl.uint8), mask=(m2 < M) & (ks < K // 16))
+    return codes
+
+
+@triton.jit
+def _quantize_grouped_kernel(
+    x_ptr, amax_ptr,
+    row_codes_ptr, row_scales_ptr, col_words_ptr, col_scales_ptr, amax_out_ptr,
+    M, K, stride_m, stride_k, row_key, col_key,
+    WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_2D: tl.constexpr,
+    COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, IS_BF16: tl.constexpr,
+    NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    G: tl.constexpr = BM // 16
+    KB: tl.constexpr = BK // 16
+    pid = tl.program_id(0)
+    m0, k0 = _tile_coords(pid, M, K, BM, BK, True)
+
+    row_s_enc, row_s_dec, row_c, row_amax = _tensor_scales(tl.load(amax_ptr))
+    if pid == 0:
+        tl.store(amax_out_ptr, row_amax)
+    row_nan = row_amax != row_amax  # the non-finite policy: every code 0 (the scales are NaN already)
+
+    row0 = m0 + 16 * tl.arange(0, G)[:, None, None]  # [G, 1, 1]: first row of each group of 16
+    k = k0 + 16 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 16)[None, None, :]  # [1, KB, 16]
+    kmask = k < K
+    offs = row0 * stride_m + k * stride_k
+    x0 = _ld_row(x_ptr, offs, stride_m, 0, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x1 = _ld_row(x_ptr, offs, stride_m, 1, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x2 = _ld_row(x_ptr, offs, stride_m, 2, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x3 = _ld_row(x_ptr, offs, stride_m, 3, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x4 = _ld_row(x_ptr, offs, stride_m, 4, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x5 = _ld_row(x_ptr, offs, stride_m, 5, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x6 = _ld_row(x_ptr, offs, stride_m, 6, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x7 = _ld_row(x_ptr, offs, stride_m, 7, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x8 = _ld_row(x_ptr, offs, stride_m, 8, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x9 = _ld_row(x_ptr, offs, stride_m, 9, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x10 = _ld_row(x_ptr, offs, stride_m, 10, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x11 = _ld_row(x_ptr, offs, stride_m, 11, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x12 = _ld_row(x_ptr, offs, stride_m, 12, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x13 = _ld_row(x_ptr, offs, stride_m, 13, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x14 = _ld_row(x_ptr, offs, stride_m, 14, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+    x15 = _ld_row(x_ptr, offs, stride_m, 15, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+
+    # element counters of the stochastic rounding (mod 2^32, as the reference): row i adds i*K
+    rbase = row0.to(tl.uint32) * K.to(tl.uint32) + k.to(tl.uint32)
+    rkey = row_key.to(tl.uint32)
+
+    if WRITE_ROW or BLOCK_2D:
+        if BLOCK_2D:
+            # one scale per 16x16 tile: the max over the 16 rows of the row-block maxima
+            t = tl.max(_max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15), axis=2)
+            e0, s0 = _block_scale(t, row_s_dec, row_c, NATIVE_CVT)
+            e1, s1 = e0, s0
+            e2, s2 = e0, s0
+            e3, s3 = e0, s0
+            e4, s4 = e0, s0
+            e5, s5 = e0, s0
+            e6, s6 = e0, s0
+            e7, s7 = e0, s0
+            e8, s8 = e0, s0
+            e9, s9 = e0, s0
+            e10, s10 = e0, s0
+            e11, s11 = e0, s0
+            e12, s12 = e0, s0
+            e13, s13 = e0, s0
+            e14, s14 = e0, s0
+            e15, s15 = e0, s0
+        else:
+            e0, s0 = _block_scale(tl.max(tl.abs(x0), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e1, s1 = _block_scale(tl.max(tl.abs(x1), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e2, s2 = _block_scale(tl.max(tl.abs(x2), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e3, s3 = _block_scale(tl.max(tl.abs(x3), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e4, s4 = _block_scale(tl.max(tl.abs(x4), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e5, s5 = _block_scale(tl.max(tl.abs(x5), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e6, s6 = _block_scale(tl.max(tl.abs(x6), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e7, s7 = _block_scale(tl.max(tl.abs(x7), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e8, s8 = _block_scale(tl.max(tl.abs(x8), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e9, s9 = _block_scale(tl.max(tl.abs(x9), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e10, s10 = _block_scale(tl.max(tl.abs(x10), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e11, s11 = _block_scale(tl.max(tl.abs(x11), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e12, s12 = _block_scale(tl.max(tl.abs(x12), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e13, s13 = _block_scale(tl.max(tl.abs(x13), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e14, s14 = _block_scale(tl.max(tl.abs(x14), axis=2), row_s_dec, row_c, NATIVE_CVT)
+            e15, s15 = _block_scale(tl.max(tl.abs(x15), axis=2), row_s_dec, row_c, NATIVE_CVT)
+        c0 = _row_quant(x0, e0, s0, 0, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c1 = _row_quant(x1, e1, s1, 1, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c2 = _row_quant(x2, e2, s2, 2, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c3 = _row_quant(x3, e3, s3, 3, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c4 = _row_quant(x4, e4, s4, 4, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c5 = _row_quant(x5, e5, s5, 5, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c6 = _row_quant(x6, e6, s6, 6, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c7 = _row_quant(x7, e7, s7, 7, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c8 = _row_quant(x8, e8, s8, 8, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c9 = _row_quant(x9, e9, s9, 9, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c10 = _row_quant(x10, e10, s10, 10, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c11 = _row_quant(x11, e11, s11, 11, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c12 = _row_quant(x12, e12, s12, 12, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c13 = _row_quant(x13, e13, s13, 13, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c14 = _row_quant(x14, e14, s14, 14, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        c15 = _row_quant(x15, e15, s15, 15, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+
+    if WRITE_COL:
+        if BLOCK_2D:
+            # the same values transposed: the tile scale serves both orientations
+            csb = tl.broadcast_to(s0[:, :, None], [G, KB, 16])
+        else:
+            col_s_enc, col_s_dec, col_c, col_amax = _tensor_scales(tl.load(amax_ptr + 1))
+            if pid == 0:
+                tl.store(amax_out_ptr + 1, col_amax)
+            col_nan = col_amax != col_amax
+            if COL_RHT:
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
+                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+                if IS_BF16:
+                    x0 = round_to_bf16_fast(x0, NATIVE_CVT)
+                    x1 = round_to_bf16_fast(x1, NATIVE_CVT)
+                    x2 = round_to_bf16_fast(x2, NATIVE_CVT)
+                    x3 = round_to_bf16_fast(x3, NATIVE_CVT)
+                    x4 = round_to_bf16_fast(x4, NATIVE_CVT)
+                    x5 = round_to_bf16_fast(x5, NATIVE_CVT)
+                    x6 = round_to_bf16_fast(x6, NATIVE_CVT)
+                    x7 = round_to_bf16_fast(x7, NATIVE_CVT)
+                    x8 = round_to_bf16_fast(x8, NATIVE_CVT)
+                    x9 = round_to_bf16_fast(x9, NATIVE_CVT)
+                    x10 = round_to_bf16_fast(x10, NATIVE_CVT)
+                    x11 = round_to_bf16_fast(x11, NATIVE_CVT)
+                    x12 = round_to_bf16_fast(x12, NATIVE_CVT)
+                    x13 = round_to_bf16_fast(x13, NATIVE_CVT)
+                    x14 = round_to_bf16_fast(x14, NATIVE_CVT)
+                    x15 = round_to_bf16_fast(x15, NATIVE_CVT)
+            enc, csb = _block_scale(_max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+                                    col_s_dec, col_c, NATIVE_CVT)
+            # counters of x^T [K, M]: k * M + m, row i adds i
+            cbase = k.to(tl.uint32) * M.to(tl.uint32) + row0.to(tl.uint32)
+            ckey = col_key.to(tl.uint32)
+            c0 = _codes(x0 * enc, cbase, ckey, COL_SR)
+            c1 = _codes(x1 * enc, cbase + 1, ckey, COL_SR)
+            c2 = _codes(x2 * enc, cbase + 2, ckey, COL_SR)
+            c3 = _codes(x3 * enc, cbase + 3, ckey, COL_SR)
+            c4 = _codes(x4 * enc, cbase + 4, ckey, COL_SR)
+            c5 = _codes(x5 * enc, cbase + 5, ckey, COL_SR)
+            c6 = _codes(x6 * enc, cbase + 6, ckey, COL_SR)
+            c7 = _codes(x7 * enc, cbase + 7, ckey, COL_SR)
+            c8 = _codes(x8 * enc, cbase + 8, ckey, COL_SR)
+            c9 = _codes(x9 * enc, cbase + 9, ckey, COL_SR)
+            c10 = _codes(x10 * enc, cbase + 10, ckey, COL_SR)
+            c11 = _codes(x11 * enc, cbase + 11, ckey, COL_SR)
+            c12 = _codes(x12 * enc, cbase + 12, ckey, COL_SR)
+            c13 = _codes(x13 * enc, cbase + 13, ckey, COL_SR)
+            c14 = _codes(x14 * enc, cbase + 14, ckey, COL_SR)
+            c15 = _codes(x15 * enc, cbase + 15, ckey, COL_SR)
+        lo = _pack8(c0, c1, c2, c3, c4, c5, c6, c7)
+        hi = _pack8(c8, c9, c10, c11, c12, c13, c14, c15)
+        w = lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)
+        if not BLOCK_2D:
+            w = tl.where(col_nan, 0, w)
+        # x^T row k, 16 codes (8 bytes) of group g: word k * (M/16) + m0/16 + g
+        gi = m0 // 16 + tl.arange(0, G)[:, None, None]
+        cmask = (gi < M // 16) & kmask
+        tl.store(col_words_ptr + k * (M // 16) + gi, w.to(tl.int64, bitcast=True), mask=cmask)
+        tl.store(col_scales_ptr + k * (M // 16) + gi, csb.to(tl.uint8), mask=cmask)
+
+
+@triton.jit
+def _amax_grouped_kernel(
+    x_ptr, amax_ptr, M, K, stride_m, stride_k,
+    DO_COL_RHT: tl.constexpr, IS_BF16: tl.constexpr, NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    """Persistent amax pass in the grouped layout: max|x| (NaN and Inf as +Inf) and, with DO_COL_RHT, the
+    max |RHT(x^T)|. Rounding to bf16 and the final scaling are monotonic, so the mixed values are rounded
+    once, after the max; a non-finite input makes the mixed amax +Inf too (as in the reference, where it
+    mixes into Inf or NaN)."""
+    G: tl.constexpr = BM // 16
+    KB: tl.constexpr = BK // 16
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_tiles = tl.cdiv(M, BM) * tl.cdiv(K, BK)
+    acc = tl.zeros([G, KB, 16], dtype=tl.float32)
+    acc_t = tl.zeros([G, KB, 16], dtype=tl.float32)
+    for tile in range(pid, n_tiles, nprog):
+        m0, k0 = _tile_coords(tile, M, K, BM, BK, False)
+        row0 = m0 + 16 * tl.arange(0, G)[:, None, None]
+        k = k0 + 16 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 16)[None, None, :]
+        kmask = k < K
+        offs = row0 * stride_m + k * stride_k
+        x0 = _ld_row(x_ptr, offs, stride_m, 0, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x1 = _ld_row(x_ptr, offs, stride_m, 1, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x2 = _ld_row(x_ptr, offs, stride_m, 2, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x3 = _ld_row(x_ptr, offs, stride_m, 3, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x4 = _ld_row(x_ptr, offs, stride_m, 4, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x5 = _ld_row(x_ptr, offs, stride_m, 5, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x6 = _ld_row(x_ptr, offs, stride_m, 6, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x7 = _ld_row(x_ptr, offs, stride_m, 7, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x8 = _ld_row(x_ptr, offs, stride_m, 8, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x9 = _ld_row(x_ptr, offs, stride_m, 9, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x10 = _ld_row(x_ptr, offs, stride_m, 10, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x11 = _ld_row(x_ptr, offs, stride_m, 11, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x12 = _ld_row(x_ptr, offs, stride_m, 12, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x13 = _ld_row(x_ptr, offs, stride_m, 13, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x14 = _ld_row(x_ptr, offs, stride_m, 14, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        x15 = _ld_row(x_ptr, offs, stride_m, 15, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
+        nan: tl.constexpr = tl.PropagateNan.ALL
+        a = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), nan), tl.maximum(tl.abs(x2), tl.abs(x3), nan), nan)
+        b = tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5), nan), tl.maximum(tl.abs(x6), tl.abs(x7), nan), nan)
+        c = tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9), nan), tl.maximum(tl.abs(x10), tl.abs(x11), nan), nan)
+        d = tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13), nan), tl.maximum(tl.abs(x14), tl.abs(x15), nan), nan)
+        acc = tl.maximum(acc, tl.maximum(tl.maximum(a, b, nan), tl.maximum(c, d, nan), nan), nan)
+        if DO_COL_RHT:
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+            acc_t = tl.maximum(acc_t, _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+                               nan)
+    acc = tl.where(acc == acc, acc, float("inf"))
+    amax = tl.max(tl.max(tl.max(acc, axis=2), axis=1), axis=0)
+    tl.atomic_max(amax_ptr, amax)
+    if DO_COL_RHT:
+        amax_t = tl.max(tl.max(tl.max(acc_t, axis=2), axis=1), axis=0)
+        if IS_BF16:
+            amax_t = round_to_bf16(amax_t)
+        amax_t = tl.where(amax == float("inf"), float("inf"), amax_t)
+        tl.atomic_max(amax_ptr + 1, amax_t)
+
+
 def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
     return (triton.cdiv(M, BM) * triton.cdiv(K, BK),)
 
@@ -206,15 +595,40 @@ def _persistent_grid(x: torch.Tensor, M: int, K: int, BM: int, BK: int) -> tuple
     return (min(n_tiles, 4),)
 
 
-def amax_triton(x: torch.Tensor, col_rht: bool, block_m: int = 64, block_k: int = 64) -> torch.Tensor:
+# Launch settings of the grouped design (BM rows x BK columns per program, num_warps); the tiled design keeps
+# its own defaults. Chosen from the sweep in scripts/bench_quantize_sweep.py (docs/benchmarks.md): with
+# stochastic rounding the 64x256 tile runs out of registers (spills), so it gets half the tile per thread.
+GROUPED_CONFIG = dict(block_m=64, block_k=256, num_warps=4)
+GROUPED_CONFIG_SR = dict(block_m=64, block_k=128, num_warps=4)
+AMAX_CONFIG = dict(block_m=64, block_k=256, num_warps=4)
+
+
+def _native_cvt(x: torch.Tensor) -> bool:
+    """The GPU's own fp32 -> bf16 RNE conversion is used on CUDA; the interpreter's differs."""
+    return x.is_cuda
+
+
+def _launch_amax(x, out, M, K, is_bf16, col_rht, design, block_m, block_k, num_warps):
+    if design == "grouped":
+        _amax_grouped_kernel[_persistent_grid(x, M, K, block_m, block_k)](
+            x, out, M, K, x.stride(0), x.stride(1), DO_COL_RHT=col_rht, IS_BF16=is_bf16,
+            NATIVE_CVT=_native_cvt(x), EVEN=M % block_m == 0 and K % block_k == 0,
+            BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
+        )
+    else:
+        _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
+            x, out, M, K, x.stride(0), x.stride(1), DO_COL_RHT=col_rht, ROUND_BF16=is_bf16,
+            BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
+        )
+
+
+def amax_triton(x: torch.Tensor, col_rht: bool, design: str = "grouped", **cfg) -> torch.Tensor:
     """float32 [2]: raw amax of x (non-finite as +Inf) and of RHT(x^T) (or x^T)."""
     M, K = x.shape
-    is_bf16 = x.dtype == torch.bfloat16
+    c = dict(AMAX_CONFIG if design == "grouped" else dict(block_m=64, block_k=64, num_warps=4), **cfg)
     out = torch.zeros(2, dtype=torch.float32, device=x.device)
-    _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
-        as_kernel_input(x), out, M, K, x.stride(0), x.stride(1),
-        DO_COL_RHT=col_rht, ROUND_BF16=is_bf16, BM=block_m, BK=block_k, num_warps=4, enable_fp_fusion=False,
-    )
+    _launch_amax(as_kernel_input(x), out, M, K, x.dtype == torch.bfloat16, col_rht, design, c["block_m"],
+                 c["block_k"], c["num_warps"])
     if not col_rht:
         out[1] = out[0]
     return out
@@ -233,19 +647,34 @@ def quantize_nvfp4_rowcol_triton(
     col_key: int = 0,
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
-    block_m: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
+    design: str = "grouped",
+    block_m: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    amax_cfg: dict | None = None,
 ):
     """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
+
+    ``design``: "grouped" (default; see ``_quantize_grouped_kernel``) or "tiled" (the first design, kept
+    for comparison in the benchmarks). Both give the same bits.
 
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
     ``amax`` holds the (policy-adjusted) row and column amax.
     """
+    if design not in ("grouped", "tiled"):
+        raise ValueError(f"unknown design {design!r}")
     M, K = x.shape
     dev = x.device
     is_bf16 = x.dtype == torch.bfloat16
     x = as_kernel_input(x)
+    if design == "grouped":
+        base = GROUPED_CONFIG_SR if (row_stochastic or col_stochastic) else GROUPED_CONFIG
+    else:
+        base = dict(block_m=64, block_k=64, num_warps=4)
+    block_m = block_m or base["block_m"]
+    block_k = block_k or base["block_k"]
+    num_warps = num_warps or base["num_warps"]
+    ac = dict(AMAX_CONFIG if design == "grouped" else base, **(amax_cfg or {}))
     need_col_amax = write_col and not block_2d
     amax_in = torch.zeros(2, dtype=torch.float32, device=dev)
     have_row = row_amax is not None
@@ -254,26 +683,16 @@ def quantize_nvfp4_rowcol_triton(
         amax_in[0] = row_amax.to(torch.float32).reshape(())
     if need_col_amax and col_amax is not None:
         amax_in[1] = col_amax.to(torch.float32).reshape(())
-    launch_opts = dict(num_warps=num_warps, enable_fp_fusion=False)
     if not (have_row and have_col):
-        if have_row or have_col:
-            # one of the two is given: compute into a scratch buffer and keep the given one
-            scratch = torch.zeros(2, dtype=torch.float32, device=dev)
-            _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
-                x, scratch, M, K, x.stride(0), x.stride(1),
-                DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=is_bf16,
-                BM=block_m, BK=block_k, **launch_opts,
-            )
+        # one of the two may be given: then compute into a scratch buffer and keep the given one
+        target = torch.zeros(2, dtype=torch.float32, device=dev) if (have_row or have_col) else amax_in
+        _launch_amax(x, target, M, K, is_bf16, need_col_amax and col_rht, design, ac["block_m"], ac["block_k"],
+                     ac["num_warps"])
+        if target is not amax_in:
             if not have_row:
-                amax_in[0] = scratch[0]
+                amax_in[0] = target[0]
             if not have_col:
-                amax_in[1] = scratch[1]
-        else:
-            _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
-                x, amax_in, M, K, x.stride(0), x.stride(1),
-                DO_COL_RHT=need_col_amax and col_rht, ROUND_BF16=is_bf16,
-                BM=block_m, BK=block_k, **launch_opts,
-            )
+                amax_in[1] = target[1]
         if need_col_amax and not col_rht and col_amax is None:
             amax_in[1] = amax_in[0]  # x^T has the same amax as x
     row_codes = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if write_row else None
@@ -282,15 +701,26 @@ def quantize_nvfp4_rowcol_triton(
     col_scales = torch.empty((K, M // 16), dtype=torch.uint8, device=dev) if write_col else None
     amax_out = torch.empty(2, dtype=torch.float32, device=dev)
     dummy = amax_out
-    _quantize_kernel[_grid(M, K, block_m, block_k)](
-        x, amax_in,
-        row_codes if write_row else dummy, row_scales if write_row else dummy,
-        col_codes if write_col else dummy, col_scales if write_col else dummy, amax_out,
-        M, K, x.stride(0), x.stride(1), row_key, col_key,
-        WRITE_ROW=write_row, WRITE_COL=write_col, BLOCK_2D=block_2d, COL_RHT=col_rht,
-        ROW_SR=row_stochastic, COL_SR=col_stochastic, ROUND_BF16=is_bf16,
-        REVERSE=True, BM=block_m, BK=block_k, **launch_opts,
-    )
+    flags = dict(WRITE_ROW=write_row, WRITE_COL=write_col, BLOCK_2D=block_2d, COL_RHT=col_rht,
+                 ROW_SR=row_stochastic, COL_SR=col_stochastic, BM=block_m, BK=block_k,
+                 num_warps=num_warps, enable_fp_fusion=False)
+    if design == "grouped":
+        # the columnwise codes are written as one 64-bit word per 16 elements
+        _quantize_grouped_kernel[_grid(M, K, block_m, block_k)](
+            x, amax_in,
+            row_codes if write_row else dummy, row_scales if write_row else dummy,
+            col_codes.view(torch.int64) if write_col else dummy, col_scales if write_col else dummy, amax_out,
+            M, K, x.stride(0), x.stride(1), row_key, col_key,
+            IS_BF16=is_bf16, NATIVE_CVT=_native_cvt(x), EVEN=M % block_m == 0 and K % block_k == 0, **flags,
+        )
+    else:
+        _quantize_kernel[_grid(M, K, block_m, block_k)](
+            x, amax_in,
+            row_codes if write_row else dummy, row_scales if write_row else dummy,
+            col_codes if write_col else dummy, col_scales if write_col else dummy, amax_out,
+            M, K, x.stride(0), x.stride(1), row_key, col_key,
+            ROUND_BF16=is_bf16, REVERSE=True, **flags,
+        )
     if write_col and block_2d:
         amax_out[1] = amax_out[0]
     return row_codes, row_scales, col_codes, col_scales, amax_out

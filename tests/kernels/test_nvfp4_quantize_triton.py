@@ -142,3 +142,33 @@ def test_amax_and_supplied_raw_amax(triton_device, gen):
             rrow, rcol = quantize_nvfp4_rowcol_ref(x, col_rht=col_rht)
             assert_same(row, rrow)
             assert_same(col, rcol)
+
+
+ROWCOL_MODES = [
+    dict(col_rht=True),
+    dict(col_rht=True, row_stochastic=True, col_stochastic=True, row_seed=3, col_seed=2**32 - 1),
+    dict(block_2d=True),
+    dict(block_2d=True, row_stochastic=True, col_stochastic=True, row_seed=4, col_seed=4),
+]
+
+
+@pytest.mark.parametrize("design", ["grouped", "tiled"])
+def test_designs_on_whole_tiles(triton_device, gen, design):
+    """Both kernel designs on a shape made of whole default tiles (the grouped kernel's unmasked path), with
+    rows of very different magnitudes (subnormal and saturating block scales in one tensor)."""
+    from kernels.fp4_reference import seed_key
+    from kernels.nvfp4.quantize import GROUPED_CONFIG, quantize_nvfp4_rowcol_triton
+
+    m, k = 2 * GROUPED_CONFIG["block_m"], 2 * GROUPED_CONFIG["block_k"]
+    x = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen) * 4)).bfloat16()
+    for kw in ROWCOL_MODES:
+        ref_row, ref_col = quantize_nvfp4_rowcol_ref(x, **kw)
+        rc, rs, cc, cs, am = quantize_nvfp4_rowcol_triton(
+            x.to(triton_device), write_col=True, design=design, block_2d=kw.get("block_2d", False),
+            col_rht=kw.get("col_rht", False), row_stochastic=kw.get("row_stochastic", False),
+            col_stochastic=kw.get("col_stochastic", False), row_key=seed_key(kw.get("row_seed", 0)),
+            col_key=seed_key(kw.get("col_seed", 0)),
+        )
+        block_2d = kw.get("block_2d", False)
+        assert_same(NVFP4Tensor(rc, rs.view(torch.float8_e4m3fn), am[0], block_2d), ref_row)
+        assert_same(NVFP4Tensor(cc, cs.view(torch.float8_e4m3fn), am[1], block_2d), ref_col)
