@@ -22,8 +22,10 @@ people and tools) and warns for each one it has to skip. A checkpoint of another
 a fallback.
 
 Resharding: megatron reshards the MODEL state between any TP/PP layouts. Its distributed-optimizer state is
-saved as ``dp_reshardable`` (the format that round-trips with torch's Adam in megatron-core 0.16.1; see
-docs/MEGATRON.md): it loads under a different DP size but not under a different TP/PP. A resume with another
+saved as ``dp_reshardable`` (the format that round-trips with torch's Adam in megatron-core 0.16.1; its
+``fully_reshardable`` format fails on load with torch's Adam: ``_set_main_param_and_optimizer_states`` copies
+every state key, ``step`` included, from a source that has none): it loads under a different DP size but not
+under a different TP/PP. A resume with another
 TP or PP therefore loads the model weights (bf16) and restarts the FP32 master weights from them with fresh
 Adam moments, and says so in a warning.
 """
@@ -490,6 +492,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
     _barrier()
     dist_checkpointing.save(_sharded_state(ddp, optimizer, is_loading=False), str(tmp / "dist"))
     torch.save({**rng_state(), "extra": rank_extra or {}}, tmp / "rng" / f"rank_{rank:05d}.pt")
+    meta = {**meta, "optim_sharding": OPTIM_METADATA["distrib_optim_sharding_type"]}
     if rank == 0:
         _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
         _write_atomic(tmp / "config.yaml", config_yaml)

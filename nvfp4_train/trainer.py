@@ -429,8 +429,11 @@ class _Trainer:
                     self.skipped_steps += 1
                     consecutive_bad += 1
                     layer = None
-                    if self.telemetry is not None and hasattr(self.telemetry, "first_nonfinite_layer"):
-                        layer = self.telemetry.first_nonfinite_layer(module)
+                    tel = self.telemetry or _telemetry_module()
+                    if tel is not None and hasattr(tel, "first_nonfinite_layer"):
+                        layer = tel.first_nonfinite_layer(module)  # since the last reset: this step's
+                        if hasattr(tel, "reset_nonfinite"):
+                            tel.reset_nonfinite(module)
                     self.metrics.event("skipped_step", self.step, loss=loss,
                                        reason="non-finite loss" if bad_loss > 0 else "non-finite gradient",
                                        consecutive=consecutive_bad, first_nonfinite_layer=layer)
