@@ -371,3 +371,10 @@ def test_bad_meta_file_and_missing_tokenizer_are_named(tmp_path, tok):
                      tokenizer=str(tmp_path / "no_such_tokenizer.json"))
     with pytest.raises(FileNotFoundError, match=r"tokenizer file .*no_such_tokenizer\.json not found"):
         build_datasets(cfg, train_samples=4, valid_samples=0)
+
+
+def test_token_dtype_too_small_for_the_tokenizer(tmp_path, tok):
+    prefix = write_dataset(tmp_path / "u8", random_docs(np.random.default_rng(0), n=30, vocab=200), dtype=np.uint8)
+    with pytest.raises(ValueError, match=rf"{prefix}\.bin stores uint8 ids, too small for the tokenizer's "
+                                         rf"{tok.vocab_size} ids: it was prepared with another tokenizer"):
+        build_datasets(split_config(prefix, tmp_path), train_samples=4, valid_samples=0, tokenizer=tok)
