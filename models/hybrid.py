@@ -5,8 +5,8 @@ with its ``mamba_stack_spec`` slot filled by :class:`HybridStack`, our stack of 
 stage. Each block is built from a ``ModuleSpec``:
 
 ==========  =========================================================================================
-``*``        megatron's ``TransformerLayer`` with ``input_layernorm`` + ``SelfAttention`` (causal,
-             local ``DotProductAttention``) and no MLP
+``*``        megatron's ``TransformerLayer`` with ``input_layernorm`` + ``SelfAttention`` (causal; its
+             core attention through PyTorch SDPA, :mod:`models.attention`) and no MLP
 ``-``        megatron's ``TransformerLayer`` with ``pre_mlp_layernorm`` + ``MLP`` and no attention
 ``M``        our :class:`models.mamba.mixer.MambaLayer` (RMSNorm + Mamba-2 mixer)
 ==========  =========================================================================================
@@ -28,7 +28,6 @@ from megatron.core.models.mamba.mamba_model import MambaModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -37,6 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from models.config import ModelConfig
+from models.attention import SDPAttention
 from models.layers import RMSNorm, linear_spec
 from models.mamba.mixer import MambaLayer, MambaLayerSubmodules, MambaMixer, MambaMixerSubmodules
 from models.pattern import ATTENTION, MAMBA, MLP as MLP_KIND, HybridPattern
@@ -61,7 +61,7 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(
                 linear_qkv=lin("column", "attention.qkv", 0),
-                core_attention=DotProductAttention,
+                core_attention=SDPAttention,
                 linear_proj=lin("row", "attention.proj", 1),
                 q_layernorm=IdentityOp,
                 k_layernorm=IdentityOp,

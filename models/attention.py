@@ -1,0 +1,62 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention`` (a megatron ``core_attention``
+slot filler).
+
+megatron-core's local ``DotProductAttention`` materialises the ``[b, heads, s, s]`` score matrix (and its
+softmax) in memory: at sequence 8192 with 40 heads that is 5 GiB per copy per layer. Its fused alternative
+needs Transformer Engine. ``SDPAttention`` hands the same causal, grouped-query attention to PyTorch's SDPA,
+which on a GPU dispatches to the flash / cuDNN / memory-efficient kernels (O(s) memory) and on a CPU to its
+math path. Same inputs and outputs as megatron's module: query ``[s, b, np, hn]``, key/value
+``[s, b, ng, hn]`` (np, ng the heads and groups of this TP rank) -> ``[s, b, np * hn]``. The softmax is
+always computed in fp32 inside the kernels; the scale is ``1/sqrt(hn)``; dropout is not supported (the
+Nemotron-H recipe trains without it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+__all__ = ["SDPAttention"]
+
+
+class SDPAttention(MegatronModule):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention implements causal self-attention only, got {attn_mask_type}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"SDPAttention does not implement attention dropout ({dropout}): set it to 0")
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism")
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_unused) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPAttention: attention_bias and packed sequences are not supported")
+        s, b, heads, hn = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads|groups, s, hn]
+        groups = k.shape[1]
+        if groups != heads:  # grouped-query attention: repeat each K/V group for its heads
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * hn)
