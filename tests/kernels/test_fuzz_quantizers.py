@@ -423,6 +423,20 @@ def test_nvfp4_nonfinite_policy(case, data, mode):
         assert torch.isnan(row.amax) and torch.isnan(col.amax) and (col.codes == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_rht_overflow_is_nonfinite(dtype):
+    """Finite input whose Hadamard mix overflows: 16 values 3e38 * s_i mix to 16/4 * 3e38 = 1.2e39 = +Inf in
+    the first output, so the policy's "non-finite after mixing" applies: all NaN. Unmixed, it is finite."""
+    from kernels.nvfp4.reference import RHT_SIGNS
+
+    x = torch.randn(16, 32).to(dtype)
+    x[3, 16:] = (torch.tensor(RHT_SIGNS, dtype=torch.float32) * 3e38).to(dtype)
+    q = quantize_nvfp4(x, rht=True)
+    assert torch.isnan(q.amax) and (q.scales.view(torch.uint8) == 0x7F).all() and (q.codes == 0).all()
+    assert torch.isfinite(dequantize_nvfp4(quantize_nvfp4(x))).all()
+    assert nvfp4_amax(x.t().contiguous(), col_rht=True)[1].item() == float("inf")
+
+
 @FUZZ
 @given(case=cases(16, 16, log2_range=(-149, -101)), block_2d=st.booleans())
 def test_nvfp4_tiny_amax_regime(case, block_2d):
