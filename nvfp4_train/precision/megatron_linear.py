@@ -23,7 +23,8 @@ Communication is megatron's, exactly:
 
 Every per-tensor NVFP4 / FP8 amax is all-reduced with MAX over the layer's TP group (``LinearContext.
 amax_group``), so the scales are those of the unsharded tensor and the numerics do not depend on the TP size
-(block scales are local and shard boundaries fall on block boundaries: the shape checks below ensure it).
+(block scales are local and shard boundaries fall on block boundaries, except in a layer whose odd
+dims are zero-padded, see ``recipe_padding``).
 
 An all-bf16 recipe runs megatron's original ``_forward_impl`` (bitwise the stock layer). Parameter names and
 state-dict keys are the stock ones: precision is not part of a checkpoint, and :meth:`set_recipe` changes it

@@ -14,6 +14,7 @@ from kernels.nvfp4.reference import dequantize_nvfp4_ref, quantize_nvfp4_ref
 from nvfp4_train.precision.megatron_linear import (
     QuantColumnParallelLinear,
     QuantRowParallelLinear,
+    recipe_padding,
     recipe_shape_problems,
     token_block,
 )
@@ -151,28 +152,33 @@ def test_set_recipe_keeps_parameters_and_switches_numerics(gen):
 
 
 @pytest.mark.parametrize(
-    "recipe, n, k, words",
+    "recipe, n, k, pads",
     [
-        ("nvfp4", 40, 64, ["N=40", "multiple of 16"]),
-        ("nvfp4", 64, 72, ["K=72", "multiple of 16"]),
-        ("mxfp4", 48, 64, ["N=48", "multiple of 32"]),
-        ("fp8", 64, 256, ["N=64", "multiple of 128"]),
-        ("fp8", 128, 200, ["K=200", "multiple of 128"]),
+        ("nvfp4", 40, 64, (8, 0)),
+        ("nvfp4", 64, 72, (0, 8)),
+        ("mxfp4", 48, 64, (16, 0)),
+        ("fp8", 64, 200, (64, 56)),
+        ("fp8_tensorwise", 7, 13, (0, 0)),
     ],
 )
-def test_bad_shapes_are_refused_at_construction(recipe, n, k, words):
+def test_odd_shapes_are_zero_padded_exactly(gen, recipe, n, k, pads):
+    """A dim that is not a multiple of its block is zero-padded (recipe_padding). Exact: the output equals
+    the layer's output on the same weight explicitly padded with further zeros (zeros change no amax, no
+    block scale of a real element, no sum), and the padded columns never reach the caller."""
     cfg = config()
     r = named_recipe(recipe)
-    with pytest.raises(ValueError) as e:
-        column(QuantColumnParallelLinear, k, n, cfg, recipe=r, layer_name="7.mlp.fc1")
-    msg = str(e.value)
-    for w in ["'7.mlp.fc1'", f"[N={n}, K={k}]", "bf16", recipe, *words]:
-        assert w in msg, (w, msg)
-    # the same layer builds in bf16, and set_recipe refuses the recipe too
-    layer = column(QuantColumnParallelLinear, k, n, cfg, layer_name="7.mlp.fc1")
-    with pytest.raises(ValueError, match="7.mlp.fc1"):
-        layer.set_recipe(r)
-    assert layer.recipe is BF16
+    assert recipe_padding(r, n, k) == pads
+    layer = column(QuantColumnParallelLinear, k, n, cfg, recipe=r, layer_name="7.mlp.fc1")
+    x = torch.randn(4, 32, k, generator=gen).bfloat16()
+    y = layer(x)[0]
+    assert y.shape == (4, 32, n)
+    # the same layer with 128 extra zero rows and columns in W (and x) computes the same values
+    big = column(QuantColumnParallelLinear, k + 128, n + 128, cfg, recipe=r, layer_name="7.mlp.fc1")
+    with torch.no_grad():
+        big.weight.zero_()
+        big.weight[:n, :k] = layer.weight
+    y_big = big(torch.nn.functional.pad(x, (0, 128)))[0][..., :n]
+    assert torch.equal(y, y_big)
 
 
 def test_shape_rules():
