@@ -21,13 +21,14 @@ bad or missing file. ``resume=auto`` tries the checkpoints newest first (``lates
 people and tools) and warns for each one it has to skip. A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
 a fallback.
 
-Resharding: megatron reshards the MODEL state between any TP/PP layouts. Its distributed-optimizer state is
-saved as ``dp_reshardable`` (the format that round-trips with torch's Adam in megatron-core 0.16.1; its
-``fully_reshardable`` format fails on load with torch's Adam: ``_set_main_param_and_optimizer_states`` copies
-every state key, ``step`` included, from a source that has none): it loads under a different DP size but not
-under a different TP/PP. A resume with another
-TP or PP therefore loads the model weights (bf16) and restarts the FP32 master weights from them with fresh
-Adam moments, and says so in a warning.
+Resharding: megatron reshards the model state between any TP/PP/DP layouts. The distributed-optimizer state
+is saved in megatron-core's ``fully_reshardable`` format by default (``checkpoint.optim_format``): per
+parameter, gathered on DP rank 0 at save time, loadable under any layout. megatron-core 0.16.1 cannot load
+that format with torch's Adam (``KeyError: 'step'``: see :func:`_load_optimizer_state` for the two-part load
+used instead). ``dp_reshardable`` (each rank's flat shard, no gather) loads under another DP size only; under
+another TP/PP the model weights are loaded and the FP32 master weights restart from them with fresh Adam
+moments (a warning says so). (Its ``fully_sharded_model_space`` format is refused by dist-checkpointing:
+``ShardedTensor.flattened_range is not supported``.)
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ __all__ = [
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "nvfp4_train-checkpoint-1"
-OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+OPTIM_FORMATS = ("fully_reshardable", "dp_reshardable")
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
 
 
@@ -86,6 +87,10 @@ class CheckpointConfig:
     """On SIGTERM/SIGUSR1: finish the current step, save, exit cleanly."""
     verify: str = "sha256"
     """What loading checks against the manifest: ``sha256`` (sizes and checksums) or ``size`` (sizes only)."""
+    optim_format: str = "fully_reshardable"
+    """Distributed-optimizer state format (megatron-core's names): ``fully_reshardable`` (per parameter,
+    gathered on DP rank 0 at save; loads under any TP/PP/DP) or ``dp_reshardable`` (each rank's flat shard,
+    no gather; loads under another DP size only, another TP/PP restarts the optimizer state)."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -94,6 +99,8 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
         if self.verify not in ("sha256", "size"):
             raise ValueError(f"checkpoint.verify={self.verify!r} is not one of sha256, size")
+        if self.optim_format not in OPTIM_FORMATS:
+            raise ValueError(f"checkpoint.optim_format={self.optim_format!r} is not one of {OPTIM_FORMATS}")
         if not self.resume:
             raise ValueError("checkpoint.resume is empty: use auto, none or a checkpoint path")
 
@@ -461,20 +468,44 @@ def _restore_adam_steps(optimizer) -> None:
             step = group.get("step")
             for p in group["params"]:
                 st = inner.state.get(p)
-                if not st or "step" not in st:
+                if not st or (step is None and "step" not in st):
                     continue
                 value = float(step) if step is not None else float(st["step"])
                 st["step"] = torch.tensor(value, dtype=torch.float32)
 
 
-def _sharded_state(ddp, optimizer, *, is_loading: bool) -> dict:
+def _sharded_state(ddp, optimizer, *, is_loading: bool, optim_format: str) -> dict:
     model_sd = ddp.module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": optim_format}
     return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)}
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+
+
+def _load_optimizer_state(optimizer, osd: dict, optim_format: str) -> None:
+    """``optimizer.load_state_dict(osd)``, working around megatron-core 0.16.1's ``fully_reshardable`` load
+    with torch's Adam: ``load_state_dict`` first writes the saved ``step`` into every parameter's state, then
+    ``load_parameter_state_from_fully_reshardable`` copies every state key, ``step`` included, from per-
+    parameter tensors that have none (``KeyError: 'step'``). So: load the common part, drop ``step`` from
+    the states, load the parameter state, then restore ``step`` from the param groups."""
+    if optim_format != "fully_reshardable":
+        optimizer.load_state_dict(osd)
+        _restore_adam_steps(optimizer)
+        return
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(subs) != 1 or "param_state" not in osd:
+        raise NotImplementedError("fully_reshardable optimizer checkpoints of several chained optimizers")
+    sub = subs[0]
+    common = {k: v for k, v in osd.items() if k not in ("param_state", "param_state_sharding_type")}
+    sub.load_state_dict(common)
+    for st in sub.optimizer.state.values():
+        st.pop("step", None)
+    sub.load_parameter_state_from_fully_reshardable(osd["param_state"])
+    _restore_adam_steps(optimizer)
 
 
 def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, trainer_state: dict, config_yaml: str,
-                    meta: dict, keep_last: int, rank_extra: dict | None = None) -> Path:
+                    meta: dict, keep_last: int, optim_format: str = "fully_reshardable",
+                    rank_extra: dict | None = None) -> Path:
     """Save a training state as ``root/step_XXXXXXX`` (collective: every rank calls it). See the module
     docstring for the order that keeps the previous checkpoints safe. ``rank_extra`` is saved with this
     rank's RNG states (e.g. the quantized layers' stochastic-rounding counters)."""
@@ -490,9 +521,10 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
         (tmp / "dist").mkdir(parents=True)
         (tmp / "rng").mkdir()
     _barrier()
-    dist_checkpointing.save(_sharded_state(ddp, optimizer, is_loading=False), str(tmp / "dist"))
+    dist_checkpointing.save(_sharded_state(ddp, optimizer, is_loading=False, optim_format=optim_format),
+                            str(tmp / "dist"))
     torch.save({**rng_state(), "extra": rank_extra or {}}, tmp / "rng" / f"rank_{rank:05d}.pt")
-    meta = {**meta, "optim_sharding": OPTIM_METADATA["distrib_optim_sharding_type"]}
+    meta = {**meta, "optim_format": optim_format}
     if rank == 0:
         _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
         _write_atomic(tmp / "config.yaml", config_yaml)
@@ -527,12 +559,13 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     saved_layout = meta.get("layout", {})
     same_model_layout = (saved_layout.get("tp"), saved_layout.get("pp")) == (layout["tp"], layout["pp"])
-    if same_model_layout:
+    optim_format = meta.get("optim_format", "dp_reshardable")
+    if same_model_layout or optim_format == "fully_reshardable":
         _init_optimizer_state(optimizer)
-        state = dist_checkpointing.load(_sharded_state(ddp, optimizer, is_loading=True), str(path / "dist"))
+        state = dist_checkpointing.load(_sharded_state(ddp, optimizer, is_loading=True, optim_format=optim_format),
+                                        str(path / "dist"))
         ddp.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        _restore_adam_steps(optimizer)
+        _load_optimizer_state(optimizer, state["optimizer"], optim_format)
     else:
         model_sd = ddp.module.sharded_state_dict()
         state = dist_checkpointing.load({"model": model_sd}, str(path / "dist"))
@@ -540,9 +573,9 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
         optimizer.reload_model_params()
         if _rank() == 0:
             warnings.warn(
-                f"checkpoint {path} was saved with tp={saved_layout.get('tp')}, pp={saved_layout.get('pp')}; this run "
-                f"has tp={layout['tp']}, pp={layout['pp']}: the model weights are resharded, but the distributed "
-                f"optimizer state (FP32 master weights, Adam moments) reshards only over DP, so the master weights "
+                f"checkpoint {path} was saved with tp={saved_layout.get('tp')}, pp={saved_layout.get('pp')} and a "
+                f"dp_reshardable optimizer state; this run has tp={layout['tp']}, pp={layout['pp']}: the model "
+                f"weights are resharded, but that optimizer state reshards only over DP, so the FP32 master weights "
                 f"restart from the bf16 weights and the Adam moments from zero", stacklevel=2)
     trainer_state["resharded"] = not same_model_layout
     trainer_state["rank_extra"] = None

@@ -361,7 +361,7 @@ class _Trainer:
         t0 = time.time()
         path = save_checkpoint(self.ckpt_dir, step=self.step, ddp=self.ddp, optimizer=self.optimizer,
                                trainer_state=self._trainer_state(), config_yaml=self.config_yaml, meta=meta,
-                               keep_last=self.cfg.checkpoint.keep_last,
+                               keep_last=self.cfg.checkpoint.keep_last, optim_format=self.cfg.checkpoint.optim_format,
                                rank_extra={"quant_calls": quant_rng_counters(_unwrap(self.ddp))})
         self.metrics.event("checkpoint", self.step, path=str(path), seconds=round(time.time() - t0, 3))
         self.metrics.note(f"step {self.step}: checkpoint {path}")

@@ -51,21 +51,27 @@ def plot_runs(paths: list[Path], out: Path, *, baseline: Path | None = None, met
     baseline = baseline or paths[0]
     runs = {p: _series(p, metric, smooth) for p in dict.fromkeys([baseline, *paths])}
     bx, by = runs[baseline]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    if len(runs) > 1:
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    else:  # one run: nothing to compare
+        fig, ax1 = plt.subplots(1, 1, figsize=(9, 5))
+        ax2 = None
     for p, (x, y) in runs.items():
-        (line,) = ax1.plot(x, y, label=_label(p) + (" (baseline)" if p == baseline else ""), lw=1.2)
+        (line,) = ax1.plot(x, y, label=_label(p) + (" (baseline)" if p == baseline and len(runs) > 1 else ""), lw=1.2)
         inside = (x >= bx[0]) & (x <= bx[-1])
-        if p != baseline and inside.any():
+        if ax2 is not None and p != baseline and inside.any():
             rel = (y[inside] - np.interp(x[inside], bx, by)) / np.interp(x[inside], bx, by)
             ax2.plot(x[inside], 100.0 * rel, label=_label(p), lw=1.2, color=line.get_color())
     ax1.set_ylabel(metric + (f" (mean of {smooth})" if smooth > 1 else ""))
     ax1.legend()
     ax1.grid(alpha=0.3)
-    ax2.axhline(0.0, color="k", lw=0.8)
-    ax2.set_ylabel(f"relative difference to {_label(baseline)} (%)")
-    ax2.set_xlabel("tokens")
-    ax2.grid(alpha=0.3)
-    if len(runs) > 1:
+    if ax2 is None:
+        ax1.set_xlabel("tokens")
+    else:
+        ax2.axhline(0.0, color="k", lw=0.8)
+        ax2.set_ylabel(f"relative difference to {_label(baseline)} (%)")
+        ax2.set_xlabel("tokens")
+        ax2.grid(alpha=0.3)
         ax2.legend()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

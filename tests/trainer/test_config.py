@@ -39,6 +39,7 @@ def test_unknown_key_or_wrong_type_names_it(override, needle):
     ("logging.wandb=maybe", "logging.wandb='maybe'"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last=0"),
     ("checkpoint.verify=md5", "checkpoint.verify='md5'"),
+    ("checkpoint.optim_format=zip", "checkpoint.optim_format='zip'"),
     ("parallel.sequence_parallel=true", "sequence_parallel"),
     ("experiment.name=a/b", "experiment.name='a/b'"),
     ("experiment.model_provider=nocolon", "module:function"),

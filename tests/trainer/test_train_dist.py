@@ -1,5 +1,5 @@
-"""Two gloo ranks through torchrun (train.py with the GPTModel stand-in): PP=2 and TP=2 train, checkpoint,
-and a TP=2 checkpoint resumes under PP=2 (megatron reshards the model)."""
+"""Two gloo ranks through torchrun (train.py with the GPTModel stand-in): TP=2, PP=2 and DP=2 train and
+checkpoint, and a TP=2 checkpoint resumes under PP=2 (model and optimizer state resharded)."""
 
 from __future__ import annotations
 
@@ -18,34 +18,40 @@ def _events(run_dir):
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["type"] == "event"]
 
 
-def test_two_ranks_tp2_then_resume_under_pp2(tmp_path):
-    d = tmp_path / "run"
-    args = [*TINY, "schedule.eval_interval=2", f"experiment.run_dir={d}"]
-    rc = run([*args, "schedule.train_steps=3", "parallel.tp=2"], nproc=2, log=tmp_path / "tp.log")
+def test_two_ranks_tp2_checkpoint_resumes_under_pp2(tmp_path):
+    """TP=2 for 7 steps (checkpoints at 3 and 6); a second run resumes the step-3 checkpoint with two pipeline
+    stages and must follow the TP=2 run: the model AND the optimizer state (FP32 master weights, Adam moments,
+    fully_reshardable format) are resharded."""
+    tp, pp = tmp_path / "tp", tmp_path / "pp"
+    args = [*TINY, "schedule.train_steps=7", "schedule.lr=3e-3", "schedule.eval_interval=2", "checkpoint.interval=3"]
+    rc = run([*args, "parallel.tp=2", f"experiment.run_dir={tp}"], nproc=2, log=tmp_path / "tp.log")
     assert rc == 0, tail(tmp_path / "tp.log")
-    recs = load_metrics(d)
-    assert [r["step"] for r in recs] == [1, 2, 3]
-    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in recs)
-    assert [r["step"] for r in load_metrics(d, "eval")] == [2, 3]
-    ckpt = d / "checkpoints" / "step_0000003"
+    ref = load_metrics(tp)
+    assert [r["step"] for r in ref] == list(range(1, 8))
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in ref)
+    assert [r["step"] for r in load_metrics(tp, "eval")] == [2, 4, 6, 7]
+    ckpt = tp / "checkpoints" / "step_0000003"
     assert (ckpt / "manifest.json").is_file()
     assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
-    # the same samples at step 1 under TP=2 as under TP=1: one loss per step, logged once (rank 0)
-    assert sum(1 for line in (d / "metrics.jsonl").read_text().splitlines() if '"train"' in line) == 3
+    assert sum(1 for line in (tp / "metrics.jsonl").read_text().splitlines() if '"train"' in line) == 7  # rank 0
 
-    # resume the TP=2 checkpoint with two pipeline stages: the model is resharded, the run continues
-    rc = run([*args, "schedule.train_steps=5", "parallel.pp=2"], nproc=2, log=tmp_path / "pp.log")
-    log = (tmp_path / "pp.log").read_text()
+    rc = run([*args, "parallel.pp=2", f"experiment.run_dir={pp}", f"checkpoint.resume={ckpt}"], nproc=2,
+             log=tmp_path / "pp.log")
     assert rc == 0, tail(tmp_path / "pp.log")
-    assert "the model weights are resharded" in log
-    assert [e["step"] for e in _events(d) if e["event"] == "resume"] == [3]
-    recs = load_metrics(d)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
-    assert all(math.isfinite(r["loss"]) for r in recs)
-    # continuing from trained weights: step 4's loss is below the untrained step 1's (ln(32768) = 10.397 at
-    # init; after 3 steps at lr 1e-3 the bias of the output layer alone has moved far below that)
-    assert recs[3]["loss"] < recs[0]["loss"]
-    assert (d / "checkpoints" / "step_0000005" / "manifest.json").is_file()
+    assert [e["step"] for e in _events(pp) if e["event"] == "resume"] == [3]
+    got = load_metrics(pp)
+    assert [r["step"] for r in got] == [4, 5, 6, 7]
+    # TP=2 and PP=2 do the same arithmetic up to the order of the TP reductions and where activations are
+    # rounded to bf16: measured |loss difference| <= 1.5e-4 over these steps, |grad norm difference| <= 0.005.
+    # Restarting the optimizer state instead (master weights from bf16, zero Adam moments) moves step 5's
+    # loss by 7.7e-3 and its grad norm by 0.27 (measured with optim_format=dp_reshardable): the bounds below
+    # (1e-3, 0.05) separate the two.
+    for a, b in zip(ref[3:], got):
+        assert abs(a["loss"] - b["loss"]) < 1e-3, (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 0.05, (a["step"], a["grad_norm"], b["grad_norm"])
+    log = (tmp_path / "pp.log").read_text()
+    assert "restart from the bf16 weights" not in log  # the optimizer state was loaded, not restarted
+    assert "RNG states are not restored" in log  # another layout: the run continues from its seeds
 
 
 def test_two_ranks_pp2_data_parallel_equivalence(tmp_path):

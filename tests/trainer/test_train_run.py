@@ -108,10 +108,11 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
 def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
     """The same with the real model (models.build, tiny, nvfp4): stochastic rounding of the gradients draws
     from per-layer counters, which the checkpoint carries (tiny keeps 4 of 12 layers in bf16; the others
-    round dy stochastically in dgrad and wgrad)."""
+    round dy stochastically in dgrad and wgrad). This one saves the optimizer state as dp_reshardable (the
+    other test: the default fully_reshardable)."""
     pytest.importorskip("models.build")
     base = ["model=tiny", "precision=nvfp4", *[a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment")],
-            f"schedule.train_steps={STEPS}"]
+            f"schedule.train_steps={STEPS}", "checkpoint.optim_format=dp_reshardable"]
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     a = start([*base, f"experiment.run_dir={a_dir}"], log=tmp_path / "a.log")
     b = start([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b.log")
@@ -120,5 +121,7 @@ def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
     assert b.wait(timeout=240) == 0, tail(tmp_path / "b.log")
     assert a.wait(timeout=240) == 0, tail(tmp_path / "a.log")
     assert run([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b2.log") == 0, tail(tmp_path / "b2.log")
+    manifest = json.loads(next((b_dir / "checkpoints").glob("step_*/manifest.json")).read_text())
+    assert manifest["meta"]["optim_format"] == "dp_reshardable"
     assert len([e for e in _events(b_dir) if e["event"] == "resume"]) == 1
     _same(load_metrics(a_dir), load_metrics(b_dir))

@@ -90,3 +90,5 @@ def test_plot_runs_writes_a_png(tmp_path):
                 f.write(json.dumps({"type": "train", "step": s, "tokens": 64 * s, "loss": scale * 10 / s}) + "\n")
     out = plot_runs([tmp_path / "base", tmp_path / "other"], tmp_path / "p" / "loss.png", smooth=3)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    one = plot_runs([tmp_path / "other"], tmp_path / "p" / "one.png")  # a single run: no comparison panel
+    assert one.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
