@@ -112,7 +112,7 @@ def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
     other test: the default fully_reshardable)."""
     pytest.importorskip("models.build")
     base = ["model=tiny", "precision=nvfp4", *[a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment")],
-            f"schedule.train_steps={STEPS}", "checkpoint.optim_format=dp_reshardable"]
+            f"schedule.train_steps={STEPS}", "checkpoint.optim_format=dp_reshardable", "logging.telemetry_interval=3"]
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     a = start([*base, f"experiment.run_dir={a_dir}"], log=tmp_path / "a.log")
     b = start([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b.log")
@@ -125,3 +125,9 @@ def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
     assert manifest["meta"]["optim_format"] == "dp_reshardable"
     assert len([e for e in _events(b_dir) if e["event"] == "resume"]) == 1
     _same(load_metrics(a_dir), load_metrics(b_dir))
+    # telemetry (nvfp4_train.precision.telemetry) every 3 steps: steps 0, 3, 6 (0-based) -> records 1, 4, 7
+    tel = load_metrics(a_dir, "telemetry")
+    assert [r["step"] for r in tel] == [1, 4, 7]
+    layers = tel[0]["layers"]
+    assert "blocks.2.attention.qkv" in layers and "blocks.0.mamba.in_proj" not in layers  # block 0 is bf16
+    assert set(layers["blocks.2.attention.qkv"]["fprop.x"]) == {"zero", "saturated", "sqnr_db"}
