@@ -126,7 +126,13 @@ def seed_key(seed: int) -> int:
     """The per-call key mixed into every element counter (a Python int in [0, 2**32))."""
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-    return int(mix32(torch.tensor([seed ^ 0x9E3779B9], dtype=torch.int64))[0])
+    # mix32 on a Python int (what mix32 computes on a tensor): ~1 us instead of ~70 us of torch ops per call
+    x = (seed ^ 0x9E3779B9) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 
 
 def random_bits8(rows: int, cols: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -27,6 +27,7 @@ Usage (on the GPU machine, from the repo root)::
     python3 scripts/bench_kernels.py --out bench.json   # also the raw numbers as JSON
     python3 scripts/bench_kernels.py --quick            # 2 shapes, fewer reps
     python3 scripts/bench_kernels.py --sweep            # also time every CANDIDATE_CONFIGS entry per shape
+    python3 scripts/bench_kernels.py --quantize-only    # only the quantizer table (K of all 6 shapes)
     TRITON_INTERPRET=1 python3 scripts/bench_kernels.py --dry-run   # CPU smoke test of this script's logic
 """
 
@@ -481,6 +482,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test of this script under TRITON_INTERPRET=1 (tiny shapes, no timing value)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
+    ap.add_argument("--quantize-only", action="store_true", help="only the NVFP4 quantize table (no GEMMs)")
     args = ap.parse_args(argv)
 
     if args.dry_run:
@@ -503,7 +505,7 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name(0) if not args.dry_run else f"CPU interpreter ({platform.machine()})"
     res = dict(device=dev_name, torch=torch.__version__, triton=triton.__version__, M=M,
                copy_GBps=run.copy_bandwidth(), gemm=[], quantize=[], sweep={}, failures=run.failures)
-    for name, K, N in shapes:
+    for name, K, N in [] if args.quantize_only else shapes:
         print(f"[{name}: M={M} K={K} N={N}]", file=sys.stderr, flush=True)
         res["gemm"].append(run.gemm_row(name, M, K, N))
         if args.sweep:

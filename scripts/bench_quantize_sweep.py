@@ -1,31 +1,164 @@
-"""Tile-shape sweep of the fused NVFP4 quantizer on one 8192x5120 bf16 tensor (GPU only).
+#!/usr/bin/env python3
+"""Designs and launch configs of the fused NVFP4 row+column quantizer on x [8192, K] bf16 (GPU only).
 
-Usage: python3 scripts/bench_quantize_sweep.py  (prints one line per variant; GB/s over the bytes each variant
-moves, as a share of a device-to-device copy measured in the same run)."""
-import torch, triton, sys
-from triton.testing import do_bench
-from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton, amax_triton
-torch.manual_seed(0)
-big = torch.empty(2**28, dtype=torch.uint8, device="cuda"); big2 = torch.empty_like(big)
-t = do_bench(lambda: big2.copy_(big), return_mode="median")
-copy_bw = 2 * big.numel() / t / 1e6
-print(f"copy bandwidth {copy_bw:.0f} GB/s")
-M, K = 8192, 5120
-x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-am = amax_triton(x, True)
-nb_row = 2*M*K + M*K//2 + M*K//16
-nb_rc = 2*M*K + 2*(M*K//2 + M*K//16)
-def rep(name, fn, nb):
-    fn(); torch.cuda.synchronize()
-    ms = do_bench(fn, return_mode="median")
-    print(f"{name:44s} {ms*1e3:8.1f} us {nb/ms/1e6:7.0f} GB/s {nb/ms/1e6/copy_bw*100:5.1f}%")
-rep("amax rht (persistent)", lambda: amax_triton(x, True), 2*M*K)
-rep("amax row (persistent)", lambda: amax_triton(x, False), 2*M*K)
-for bm, bk, nw in [(64,64,4),(32,128,4),(64,128,4),(64,128,8),(128,64,8),(128,128,8),(16,256,4),(32,64,4),(32,32,2)]:
-    try:
-        rep(f"row only given amax {bm}x{bk} w{nw}", lambda: quantize_nvfp4_rowcol_triton(x, row_amax=am[0], block_m=bm, block_k=bk, num_warps=nw), nb_row)
-        rep(f"row+col no-rht given amax {bm}x{bk} w{nw}", lambda: quantize_nvfp4_rowcol_triton(x, write_col=True, row_amax=am[0], col_amax=am[0], block_m=bm, block_k=bk, num_warps=nw), nb_rc)
-        rep(f"row+col rht given amax {bm}x{bk} w{nw}", lambda: quantize_nvfp4_rowcol_triton(x, write_col=True, col_rht=True, row_amax=am[0], col_amax=am[1], block_m=bm, block_k=bk, num_warps=nw), nb_rc)
-        rep(f"row+col rht full {bm}x{bk} w{nw}", lambda: quantize_nvfp4_rowcol_triton(x, write_col=True, col_rht=True, block_m=bm, block_k=bk, num_warps=nw), nb_rc)
-    except Exception as e:
-        print(bm, bk, nw, "failed", str(e)[:200])
+Every variant is first checked bit for bit against ``quantize_nvfp4_rowcol_ref`` on the whole tensor (a
+failing variant is reported and not timed), then timed with ``triton.testing.do_bench`` (median; it flushes
+L2 before each call). GB/s count the bytes each variant moves: "full" = amax pass (1 read of x) + quantize
+pass (1 read + the four outputs), "amax given" = the quantize pass alone; both as a share of a device-to-device
+copy measured in the same run (bytes read + written).
+
+Usage: python3 scripts/bench_quantize_sweep.py [--ks 5120 10240 20480] [--quick] [--out sweep.json]
+       [--wait FILE]   compile and check everything first, then wait until FILE exists before timing
+                       (lets a test run share the compile phase without disturbing the timings)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kernels.fp4_reference import seed_key  # noqa: E402
+from kernels.nvfp4.quantize import amax_triton, quantize_nvfp4_rowcol_triton  # noqa: E402
+from kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref  # noqa: E402
+
+M = 8192
+# (label, design, quantize-pass config, amax-pass config, modes)
+VARIANTS = [
+    ("tiled 64x64 w4 (old)", "tiled", dict(block_m=64, block_k=64, num_warps=4), dict(), ("RNE", "SR")),
+    ("grouped 64x128 w4 (default)", "grouped", dict(block_m=64, block_k=128, num_warps=4), dict(), ("RNE", "SR")),
+    ("grouped 64x128 w4 maxnreg 168", "grouped", dict(block_m=64, block_k=128, num_warps=4, maxnreg=168), dict(),
+     ("RNE", "SR")),
+    ("grouped 64x128 w4 maxnreg 128", "grouped", dict(block_m=64, block_k=128, num_warps=4, maxnreg=128), dict(),
+     ("RNE",)),
+    ("grouped 32x128 w4", "grouped", dict(block_m=32, block_k=128, num_warps=4), dict(), ("RNE", "SR")),
+    ("grouped 64x256 w4", "grouped", dict(block_m=64, block_k=256, num_warps=4), dict(), ("RNE",)),
+]
+QUICK = {"tiled 64x64 w4 (old)", "grouped 64x128 w4 (default)"}
+AMAX_VARIANTS = [
+    ("tiled 64x64 w4 (old)", "tiled", dict(block_m=64, block_k=64, num_warps=4)),
+    ("grouped 32x256 w4 3/SM (default)", "grouped", dict(block_m=32, block_k=256, num_warps=4, per_sm=3)),
+    ("grouped 64x128 w4 4/SM", "grouped", dict(block_m=64, block_k=128, num_warps=4, per_sm=4)),
+    ("grouped 32x256 w4 2/SM", "grouped", dict(block_m=32, block_k=256, num_warps=4, per_sm=2)),
+]
+MODES = [
+    ("RNE", dict(), dict()),
+    ("SR", dict(row_stochastic=True, col_stochastic=True, row_seed=1, col_seed=2),
+     dict(row_stochastic=True, col_stochastic=True, row_key=seed_key(1), col_key=seed_key(2))),
+]
+
+
+def same(out, ref) -> bool:
+    rc, rs, cc, cs, am = out
+    r, c = ref
+    return (torch.equal(rc, r.codes) and torch.equal(rs, r.scales.view(torch.uint8)) and torch.equal(cc, c.codes)
+            and torch.equal(cs, c.scales.view(torch.uint8)) and torch.equal(am[0], r.amax) and torch.equal(am[1], c.amax))
+
+
+def copy_bandwidth() -> float:
+    """GB/s (bytes read + written) of a 1 GiB device-to-device copy."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ks", type=int, nargs="*", default=[5120, 10240, 20480])
+    ap.add_argument("--quick", action="store_true", help="only the variants in QUICK")
+    ap.add_argument("--wait", type=Path)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    variants = [v for v in VARIANTS if not args.quick or v[0] in QUICK]
+
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+
+    jobs, failures = [], []
+    t0 = time.time()
+    for K in args.ks:
+        x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+        n = M * K
+        writes = 2 * (n // 2 + n // 16)
+        for mode, ref_kw, kw in MODES:
+            ref = quantize_nvfp4_rowcol_ref(x, col_rht=True, **ref_kw)
+            am_row, am_col = ref[0].amax, ref[1].amax
+            for label, design, cfg, acfg, modes in variants:
+                if mode not in modes:
+                    continue
+                for given in (False, True):
+                    amax_kw = dict(row_amax=am_row, col_amax=am_col) if given else dict()
+
+                    def fn(x=x, design=design, cfg=cfg, acfg=acfg, kw=kw, amax_kw=amax_kw):
+                        return quantize_nvfp4_rowcol_triton(x, write_col=True, col_rht=True, design=design,
+                                                            amax_cfg=acfg, **cfg, **kw, **amax_kw)
+
+                    name = f"K={K} {mode} {label} {'amax given' if given else 'full'}"
+                    try:
+                        ok = same(fn(), ref)
+                    except Exception as e:  # a config that does not compile must not stop the others
+                        ok = False
+                        print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    if not ok:
+                        failures.append(name)
+                        print(f"  CHECK FAILED {name}", flush=True)
+                        continue
+                    nbytes = (2 * n if given else 4 * n) + writes
+                    jobs.append(dict(K=K, mode=mode, variant=label, amax_given=given, fn=fn, nbytes=nbytes))
+        for label, design, acfg in AMAX_VARIANTS[:2] if args.quick else AMAX_VARIANTS:
+            ref_am = torch.stack((ref[0].amax, ref[1].amax))
+
+            def afn(x=x, design=design, acfg=acfg):
+                return amax_triton(x, True, design=design, **acfg)
+
+            name = f"K={K} amax pass {label}"
+            try:
+                ok = torch.equal(afn(), ref_am)
+            except Exception as e:
+                ok = False
+                print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if not ok:
+                failures.append(name)
+                print(f"  CHECK FAILED {name}", flush=True)
+                continue
+            jobs.append(dict(K=K, mode="amax only", variant=label, amax_given=False, fn=afn, nbytes=2 * n))
+    torch.cuda.synchronize()
+    print(f"compiled and checked {len(jobs)} variants in {time.time() - t0:.0f} s; {len(failures)} failed",
+          flush=True)
+    if args.wait is not None:
+        while not args.wait.exists():
+            time.sleep(1)
+    print(f"\n| K | mode | variant | pass | us | GB/s | % of copy ({copy_bw:.0f} GB/s) |\n|---|---|---|---|---|---|---|",
+          flush=True)
+    rows = []
+    for j in jobs:
+        ms = do_bench(j["fn"], warmup=10, rep=60, return_mode="median")
+        gbs = j["nbytes"] / ms / 1e6
+        r = dict(K=j["K"], mode=j["mode"], variant=j["variant"], amax_given=j["amax_given"], us=ms * 1e3,
+                 GBps=gbs, pct_copy=100 * gbs / copy_bw)
+        rows.append(r)
+        what = "quantize pass (amax given)" if r["amax_given"] else ("amax pass" if r["mode"] == "amax only" else "full")
+        print(f"| {r['K']} | {r['mode']} | {r['variant']} | {what} | {r['us']:.1f} | {r['GBps']:.0f} "
+              f"| {r['pct_copy']:.0f}% |", flush=True)
+    if failures:
+        print("\nFAILED: " + "; ".join(failures))
+    if args.out:
+        args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                                            triton=triton.__version__, copy_GBps=copy_bw, rows=rows,
+                                            failures=failures), indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

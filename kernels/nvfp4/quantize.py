@@ -6,16 +6,25 @@ Layout (same as ``kernels/nvfp4/reference.py``):
     col codes  uint8 [K, M/2]   col scales  e4m3 [K, M/16]    (blocks of 16 along M, i.e. rows of x^T)
 
 Two launches, because the per-tensor amax must be known before any block can be scaled:
-  1. ``_amax_kernel`` reads x once and reduces max|x| (and max|RHT(x^T)| for a mixed columnwise copy) with
-     atomic max into a 2-float buffer. Non-finite elements count as +Inf, which the quantize kernel turns
-     into the NaN amax of the non-finite policy.
-  2. ``_quantize_kernel`` reads x once more and writes both copies. It walks the tiles in the reverse
-     order of the amax kernel, so its first reads hit what the amax pass left in L2.
+  1. an amax kernel reads x once and reduces max|x| (and max|RHT(x^T)| for a mixed columnwise copy) with
+     one atomic max per persistent program into a 2-float buffer. Non-finite elements count as +Inf, which
+     the quantize kernel turns into the NaN amax of the non-finite policy.
+  2. a quantize kernel reads x once more and writes both copies, walking the tiles in the reverse order of
+     the amax kernel, so its first reads hit what the amax pass left in L2.
 A caller that already knows the amax (e.g. from the op that produced x) passes it and skips launch 1.
 
-Each program owns a [BM, BK] tile. Every output depends only on its 16-element block (and the amax), so
-the tile shape is a pure performance choice. Arithmetic per block follows RECIPE §2 in fp32 with
-correctly-rounded divisions (``div_rn``); rounding is done with bit arithmetic (``kernels/fp4_triton.py``).
+Two designs give the same bits. The default, "grouped" (``_quantize_grouped_kernel``), loads each tile as
+16 row tensors so that everything the columnwise copy does along M stays in registers (see the comment
+above it); "tiled" (``_quantize_kernel``, the first design) transposes a [BM, BK] tile and reshapes it for
+the butterfly and the packing, which costs layout conversions through shared memory: it is 2-3x slower on
+the H200 and kept for comparison (``scripts/bench_quantize_sweep.py``, docs/benchmarks.md).
+
+Every output depends only on its 16-element block (and the amax), so the tile shape is a pure performance
+choice. Arithmetic per block follows RECIPE §2 in fp32 with correctly-rounded divisions (``div_rn``);
+rounding is done with bit arithmetic (``kernels/fp4_triton.py``), except that on the GPU the grouped kernel
+lets the hardware do the two conversions whose rounding it has exactly (fp32 -> bf16 RNE after the
+Hadamard transform, fp32 -> E4M3 RNE of the block scales); the interpreter runs the bit arithmetic, and
+the tests compare both against the reference.
 """
 
 from __future__ import annotations
@@ -35,7 +44,6 @@ from kernels.fp4_triton import (
     hadamard16,
     load_as_f32,
     load_tile,
-    mix32,
     pack_pairs,
     random_bits8,
     random_bits8_top,
@@ -327,7 +335,7 @@ def _row_quant(v, enc, sbyte, i: tl.constexpr, row0, M, K, k0, rbase, key, zero_
                row_codes_ptr, row_scales_ptr, WRITE_ROW: tl.constexpr, SR: tl.constexpr,
                G: tl.constexpr, KB: tl.constexpr):
     """Rowwise copy of rows row0 + i (blocks of 16 along k): returns the codes [G, KB, 16] and stores
-    the packed codes and the scales when WRITE_ROW."""
+    the packed codes when WRITE_ROW (the scales of all 16 rows go out together: ``_store_row_scales16``)."""
     codes = _codes(v * enc[:, :, None], rbase + i * K.to(tl.uint32), key, SR)
     codes = tl.where(zero_codes, 0, codes)
     if WRITE_ROW:
@@ -335,10 +343,23 @@ def _row_quant(v, enc, sbyte, i: tl.constexpr, row0, M, K, k0, rbase, key, zero_
         lo, hi = tl.split(tl.reshape(codes, [G, KB, 8, 2]))
         kh = k0 // 2 + 8 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 8)[None, None, :]
         tl.store(row_codes_ptr + m * (K // 2) + kh, (lo | (hi << 4)).to(tl.uint8), mask=(m < M) & (kh < K // 2))
-        m2 = tl.reshape(m, [G, 1])
-        ks = k0 // 16 + tl.arange(0, KB)[None, :]
-        tl.store(row_scales_ptr + m2 * (K // 16) + ks, sbyte.to(tl.uint8), mask=(m2 < M) & (ks < K // 16))
     return codes
+
+
+@triton.jit
+def _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+                        row_scales_ptr, m0, k0, M, K, G: tl.constexpr, KB: tl.constexpr):
+    """The row scales of the tile's 16 rows per group in ONE store: the 16 [G, KB] tensors joined into
+    [G, KB, 2, 2, 2, 2] (row i = b0 + 2 b1 + 4 b2 + 8 b3), one layout conversion instead of 16."""
+    a0 = tl.join(tl.join(tl.join(tl.join(s0, s1), tl.join(s2, s3)), tl.join(tl.join(s4, s5), tl.join(s6, s7))),
+                 tl.join(tl.join(tl.join(s8, s9), tl.join(s10, s11)), tl.join(tl.join(s12, s13), tl.join(s14, s15))))
+    b0 = tl.arange(0, 2)[None, None, :, None, None, None]
+    b1 = tl.arange(0, 2)[None, None, None, :, None, None]
+    b2 = tl.arange(0, 2)[None, None, None, None, :, None]
+    b3 = tl.arange(0, 2)[None, None, None, None, None, :]
+    m = m0 + 16 * tl.arange(0, G)[:, None, None, None, None, None] + b0 + 2 * b1 + 4 * b2 + 8 * b3
+    ks = k0 // 16 + tl.arange(0, KB)[None, :, None, None, None, None]
+    tl.store(row_scales_ptr + m * (K // 16) + ks, a0.to(tl.uint8), mask=(m < M) & (ks < K // 16))
 
 
 @triton.jit
@@ -454,6 +475,9 @@ def _quantize_grouped_kernel(
                               row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
         c15 = _row_quant(x15, e15, s15, 15, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
                               row_scales_ptr, WRITE_ROW, ROW_SR, G, KB)
+        if WRITE_ROW:
+            _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+                                row_scales_ptr, m0, k0, M, K, G, KB)
 
     if WRITE_COL:
         if BLOCK_2D:
@@ -585,22 +609,22 @@ def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
 _NUM_SMS: dict = {}
 
 
-def _persistent_grid(x: torch.Tensor, M: int, K: int, BM: int, BK: int) -> tuple[int]:
+def _persistent_grid(x: torch.Tensor, M: int, K: int, BM: int, BK: int, per_sm: int = 4) -> tuple[int]:
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(K, BK)
     if x.is_cuda:
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if dev not in _NUM_SMS:
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        return (min(n_tiles, 4 * _NUM_SMS[dev]),)
+        return (min(n_tiles, per_sm * _NUM_SMS[dev]),)
     return (min(n_tiles, 4),)
 
 
-# Launch settings of the grouped design (BM rows x BK columns per program, num_warps); the tiled design keeps
-# its own defaults. Chosen from the sweep in scripts/bench_quantize_sweep.py (docs/benchmarks.md): with
-# stochastic rounding the 64x256 tile runs out of registers (spills), so it gets half the tile per thread.
-GROUPED_CONFIG = dict(block_m=64, block_k=256, num_warps=4)
-GROUPED_CONFIG_SR = dict(block_m=64, block_k=128, num_warps=4)
-AMAX_CONFIG = dict(block_m=64, block_k=256, num_warps=4)
+# Launch settings of the grouped design (BM rows x BK columns per program, num_warps; the amax pass runs
+# per_sm persistent programs per multiprocessor); the tiled design keeps its own. Measured best on the H200 in
+# scripts/bench_quantize_sweep.py (docs/benchmarks.md): 64x256 per 4 warps needs 255 registers (8 warps per
+# SM; with stochastic rounding it spills), 64x128 needs 168 and runs 12 warps per SM.
+GROUPED_CONFIG = dict(block_m=64, block_k=128, num_warps=4)
+AMAX_CONFIG = dict(block_m=32, block_k=256, num_warps=4, per_sm=3)
 
 
 def _native_cvt(x: torch.Tensor) -> bool:
@@ -608,9 +632,9 @@ def _native_cvt(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _launch_amax(x, out, M, K, is_bf16, col_rht, design, block_m, block_k, num_warps):
+def _launch_amax(x, out, M, K, is_bf16, col_rht, design, block_m, block_k, num_warps, per_sm=4):
     if design == "grouped":
-        _amax_grouped_kernel[_persistent_grid(x, M, K, block_m, block_k)](
+        _amax_grouped_kernel[_persistent_grid(x, M, K, block_m, block_k, per_sm)](
             x, out, M, K, x.stride(0), x.stride(1), DO_COL_RHT=col_rht, IS_BF16=is_bf16,
             NATIVE_CVT=_native_cvt(x), EVEN=M % block_m == 0 and K % block_k == 0,
             BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
@@ -628,7 +652,7 @@ def amax_triton(x: torch.Tensor, col_rht: bool, design: str = "grouped", **cfg) 
     c = dict(AMAX_CONFIG if design == "grouped" else dict(block_m=64, block_k=64, num_warps=4), **cfg)
     out = torch.zeros(2, dtype=torch.float32, device=x.device)
     _launch_amax(as_kernel_input(x), out, M, K, x.dtype == torch.bfloat16, col_rht, design, c["block_m"],
-                 c["block_k"], c["num_warps"])
+                 c["block_k"], c["num_warps"], c.get("per_sm", 4))
     if not col_rht:
         out[1] = out[0]
     return out
@@ -651,6 +675,7 @@ def quantize_nvfp4_rowcol_triton(
     block_m: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    maxnreg: int | None = None,
     amax_cfg: dict | None = None,
 ):
     """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
@@ -667,13 +692,11 @@ def quantize_nvfp4_rowcol_triton(
     dev = x.device
     is_bf16 = x.dtype == torch.bfloat16
     x = as_kernel_input(x)
-    if design == "grouped":
-        base = GROUPED_CONFIG_SR if (row_stochastic or col_stochastic) else GROUPED_CONFIG
-    else:
-        base = dict(block_m=64, block_k=64, num_warps=4)
+    base = GROUPED_CONFIG if design == "grouped" else dict(block_m=64, block_k=64, num_warps=4)
     block_m = block_m or base["block_m"]
     block_k = block_k or base["block_k"]
     num_warps = num_warps or base["num_warps"]
+    maxnreg = maxnreg or base.get("maxnreg")
     ac = dict(AMAX_CONFIG if design == "grouped" else base, **(amax_cfg or {}))
     need_col_amax = write_col and not block_2d
     amax_in = torch.zeros(2, dtype=torch.float32, device=dev)
@@ -687,7 +710,7 @@ def quantize_nvfp4_rowcol_triton(
         # one of the two may be given: then compute into a scratch buffer and keep the given one
         target = torch.zeros(2, dtype=torch.float32, device=dev) if (have_row or have_col) else amax_in
         _launch_amax(x, target, M, K, is_bf16, need_col_amax and col_rht, design, ac["block_m"], ac["block_k"],
-                     ac["num_warps"])
+                     ac["num_warps"], ac.get("per_sm", 4))
         if target is not amax_in:
             if not have_row:
                 amax_in[0] = target[0]
@@ -704,6 +727,8 @@ def quantize_nvfp4_rowcol_triton(
     flags = dict(WRITE_ROW=write_row, WRITE_COL=write_col, BLOCK_2D=block_2d, COL_RHT=col_rht,
                  ROW_SR=row_stochastic, COL_SR=col_stochastic, BM=block_m, BK=block_k,
                  num_warps=num_warps, enable_fp_fusion=False)
+    if maxnreg is not None:  # a register cap per thread (more programs per multiprocessor)
+        flags["maxnreg"] = maxnreg
     if design == "grouped":
         # the columnwise codes are written as one 64-bit word per 16 elements
         _quantize_grouped_kernel[_grid(M, K, block_m, block_k)](

@@ -345,3 +345,12 @@ def test_gemm_ref_equals_dequantized_product(gen):
     # the dequantized values carry one fp32 rounding each: relative 4 * 2^-24 of sum |a||b| per element
     bound = 4 * 2.0**-24 * (dequantize_nvfp4_ref(a).double().abs() @ dequantize_nvfp4_ref(b).double().abs().t())
     assert ((c - ref).abs() <= bound + 1e-30).all()
+
+
+def test_seed_key_is_mix32_of_the_seed(gen):
+    """seed_key computes lowbias32 on a Python int; it must equal the tensor mix32 that random_bits8 uses."""
+    from kernels.fp4_reference import mix32, seed_key
+
+    seeds = [0, 1, 0x9E3779B9, 2**31, 2**32 - 1] + torch.randint(0, 2**32, (2000,), generator=gen).tolist()
+    expected = mix32(torch.tensor(seeds, dtype=torch.int64) ^ 0x9E3779B9).tolist()
+    assert [seed_key(s) for s in seeds] == expected
