@@ -628,7 +628,8 @@ AMAX_CONFIG = dict(block_m=32, block_k=256, num_warps=4, per_sm=3)
 
 
 def _native_cvt(x: torch.Tensor) -> bool:
-    """The GPU's own fp32 -> bf16 RNE conversion is used on CUDA; the interpreter's differs."""
+    """On CUDA the grouped kernels let the hardware convert bf16 -> fp32 (exact), fp32 -> bf16 (RNE) and
+    fp32 -> E4M3 (RNE); the interpreter's conversions differ, so there they use the bit arithmetic."""
     return x.is_cuda
 
 
@@ -681,7 +682,9 @@ def quantize_nvfp4_rowcol_triton(
     """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
 
     ``design``: "grouped" (default; see ``_quantize_grouped_kernel``) or "tiled" (the first design, kept
-    for comparison in the benchmarks). Both give the same bits.
+    for comparison in the benchmarks). Both give the same bits. ``block_m``, ``block_k``, ``num_warps`` and
+    ``maxnreg`` (a register cap per thread) override the quantize pass's launch (default ``GROUPED_CONFIG``),
+    ``amax_cfg`` the amax pass's (``AMAX_CONFIG``; its ``per_sm`` is the number of persistent programs per SM).
 
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
     ``amax`` holds the (policy-adjusted) row and column amax.
