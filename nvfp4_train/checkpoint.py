@@ -56,6 +56,7 @@ __all__ = [
     "resume_candidates",
     "find_resume_checkpoint",
     "model_mismatch",
+    "start_checkpoint_writer",
     "save_checkpoint",
     "load_checkpoint",
 ]
@@ -501,6 +502,54 @@ def _load_optimizer_state(optimizer, osd: dict, optim_format: str) -> None:
         st.pop("step", None)
     sub.load_parameter_state_from_fully_reshardable(osd["param_state"])
     _restore_adam_steps(optimizer)
+
+
+_writer_manager = None
+
+
+def _writer_helper_init() -> None:
+    """Runs in the writer helper process: ignore the stop signals, and die with the trainer (Linux)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start_checkpoint_writer() -> None:
+    """Start megatron-core's checkpoint-writer helper process now, deaf to SIGTERM, SIGUSR1 and SIGINT.
+
+    dist-checkpointing collects its write results through a ``multiprocessing`` Manager queue that it spawns
+    at the first save (``filesystem_async._results_queue``). A signal sent to the whole process group
+    (Slurm's scancel and time limit, ``timeout``, Ctrl-C) would kill that helper too, and the save the
+    trainer does on that very signal would then fail (``BrokenPipeError``/``EOFError``). So the trainer
+    creates that queue itself, in a helper that ignores those signals (set before the spawn, inherited
+    through its exec, and again in the helper) and is killed when the trainer process dies (a plain
+    Manager would outlive a SIGKILLed trainer)."""
+    global _writer_manager
+    import multiprocessing
+    import signal
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    sigs = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_writer_helper_init)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    _writer_manager = manager
+    filesystem_async._results_queue = manager.Queue()
 
 
 def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, trainer_state: dict, config_yaml: str,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from nvfp4_train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from nvfp4_train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, start_checkpoint_writer
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
 from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
 
@@ -379,6 +379,7 @@ class _Trainer:
             self.metrics.note(f"resumed from {self.resumed_from} at step {self.step}")
         else:
             self.metrics.event("start", self.step)
+        start_checkpoint_writer()  # before our handlers: a signal to the process group must not kill it
         flag = _SignalFlag(cfg.checkpoint.save_on_signal)
         module = _unwrap(self.ddp)
         switch_start = self.switch.start_step(total)

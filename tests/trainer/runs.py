@@ -33,13 +33,14 @@ def env(**extra) -> dict:
     return e
 
 
-def start(args: list[str], *, nproc: int = 1, log: Path, **extra_env) -> subprocess.Popen:
+def start(args: list[str], *, nproc: int = 1, log: Path, new_session: bool = False, **extra_env) -> subprocess.Popen:
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "train.py"), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(ROOT / "train.py"), *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(**extra_env), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(**extra_env), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=new_session)
 
 
 def run(args: list[str], *, log: Path, timeout: float = 300, **kw) -> int:

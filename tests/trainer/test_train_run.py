@@ -39,12 +39,18 @@ def _same(a, b, keys=("loss", "grad_norm", "lr", "tokens")):
 
 
 def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
+    """Run A uninterrupted; run B checkpoints every 2 steps, gets SIGTERM sent to its whole process group (as
+    Slurm and `timeout` do: megatron's checkpoint-writer helper must survive it) after step 3, saves, exits 0,
+    and is resumed: B's per-step losses, grad norms and lrs equal A's bitwise."""
+    import os
+
     base = [*TINY, f"schedule.train_steps={STEPS}"]
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    b_args = [*base, "checkpoint.interval=2", f"experiment.run_dir={b_dir}"]
     a = start([*base, f"experiment.run_dir={a_dir}"], log=tmp_path / "a.log")
-    b = start([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b.log")
+    b = start(b_args, log=tmp_path / "b.log", new_session=True)
     _wait_for_step(b_dir, 3, b)
-    b.send_signal(signal.SIGTERM)
+    os.killpg(b.pid, signal.SIGTERM)
     assert b.wait(timeout=240) == 0, tail(tmp_path / "b.log")
     assert a.wait(timeout=240) == 0, tail(tmp_path / "a.log")
     ev = _events(b_dir)
@@ -53,26 +59,28 @@ def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
     assert (b_dir / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
     assert (b_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:07d}"
 
-    assert run([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b2.log") == 0, tail(tmp_path / "b2.log")
+    assert run(b_args, log=tmp_path / "b2.log") == 0, tail(tmp_path / "b2.log")
     assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped]
     ref = load_metrics(a_dir)
     _same(ref, load_metrics(b_dir))
     assert [r["val_loss"] for r in load_metrics(a_dir, "eval")] == [r["val_loss"] for r in load_metrics(b_dir, "eval")]
 
-    # damage the newest checkpoint (end of run): resume falls back to the one written at the signal, warns,
-    # redoes the steps after it, and gets the same losses again
-    last = b_dir / "checkpoints" / f"step_{STEPS:07d}"
+    # damage the newest checkpoint (end of run): resume falls back to the one before it, warns, redoes the
+    # steps after it, and gets the same losses again
+    ckpts = sorted((b_dir / "checkpoints").glob("step_*"))
+    assert ckpts[-1].name == f"step_{STEPS:07d}" and len(ckpts) == 3  # keep_last
+    last, previous = ckpts[-1], int(ckpts[-2].name.split("_")[1])
     shard = sorted((last / "dist").glob("*.distcp"))[0]
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    assert run([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b3.log") == 0, tail(tmp_path / "b3.log")
+    assert run(b_args, log=tmp_path / "b3.log") == 0, tail(tmp_path / "b3.log")
     log = (tmp_path / "b3.log").read_text()
     assert f"checkpoint {last} is not usable" in log and shard.name in log
-    assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped, stopped]
+    assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped, previous]
     _same(ref, load_metrics(b_dir))
 
     # a checkpoint of another model size is a clear error, not a fallback
-    rc = run([*base, f"experiment.run_dir={b_dir}", "model.hidden_size=64"], log=tmp_path / "b4.log")
+    rc = run([*b_args, "model.hidden_size=64"], log=tmp_path / "b4.log")
     log = (tmp_path / "b4.log").read_text()
     assert rc != 0
     assert "was written for another model" in log and "hidden_size: checkpoint 32, this run 64" in log
