@@ -1,0 +1,150 @@
+"""SIGKILL during checkpoint saves, many times in a row: every restart resumes from a complete, verified
+checkpoint, the newest one whose save finished, and the run ends with the losses of an uninterrupted run.
+
+One ``train.py`` process (the GPTModel stand-in, CPU) per kill, all in one run directory, saving after every
+step (``checkpoint.interval=1``, ``keep_last=2``, so pruning runs in every save). Each process is killed
+while its k-th save (k = 1 or 2) is under way, at a random moment: a random delay after ``.tmp_step_N``
+appears (mostly inside megatron's dist-checkpoint write), as soon as the manifest exists (the commit), or as
+soon as ``step_N`` exists (the ``latest`` update and the pruning). After each kill the checkpoint directory
+must hold, as its newest ``step_*``, the save that was killed if its rename happened (``step_N``) and else
+the one before (``step_{N-1}``; none before step 1), verified without a warning, ``latest`` naming a
+verified checkpoint; the next process must say it resumed from exactly that step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+import warnings
+from pathlib import Path
+
+from nvfp4_train.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir_name, verify_checkpoint
+from nvfp4_train.metrics import load_metrics
+from tests.trainer.runs import TINY, run, start, tail
+
+STEPS = 8
+KILLS = 5
+BASE = [*(a for a in TINY if not a.startswith("checkpoint.")), f"schedule.train_steps={STEPS}"]
+SAVE_EVERY_STEP = ["checkpoint.interval=1", "checkpoint.keep_last=2"]
+
+
+def _events(run_dir: Path, name: str) -> list[dict]:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    recs = (json.loads(line) for line in f.read_text().splitlines() if line.strip())
+    return [r for r in recs if r["type"] == "event" and r["event"] == name]
+
+
+def _kill_during_a_save(proc, start_ns: int, root: Path, rng: random.Random, log: Path,
+                        timeout: float = 120) -> tuple[int, str]:
+    """Wait for this process's k-th save to start, SIGKILL it at a random moment of that save; return the
+    step of the save that was killed and how the moment was chosen."""
+    k = rng.choice((1, 2))
+    mode = rng.choice(("delay", "delay", "manifest", "renamed"))
+    delay = rng.uniform(0.0, 0.5)
+    seen: set[tuple[str, int]] = set()
+    saves = 0
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        assert proc.poll() is None, f"the run ended before its save could be killed:\n{tail(log)}"
+        tmps = []
+        for p in root.glob(".tmp_step_*") if root.is_dir() else ():
+            try:
+                key = (p.name, p.stat().st_ctime_ns)
+            except FileNotFoundError:  # committed in the meantime
+                continue
+            # a leftover of an earlier killed process is older than this one (a save recreates it)
+            if key not in seen and key[1] >= start_ns:
+                seen.add(key)
+                tmps.append(p)
+        if tmps:
+            saves += 1
+            if saves == k:
+                tmp = tmps[0]
+                step = int(tmp.name.removeprefix(".tmp_step_"))
+                final = root / step_dir_name(step)
+                t1 = time.time()
+                if mode == "delay":
+                    time.sleep(delay)
+                else:
+                    while time.time() - t1 < 30 and proc.poll() is None:
+                        # the manifest is being written (or already renamed along with its directory)
+                        if (any((tmp / n).exists() for n in ("manifest.json.tmp", "manifest.json"))
+                                or not tmp.exists() if mode == "manifest" else final.is_dir()):
+                            break
+                        time.sleep(0.0005)
+                assert proc.poll() is None, f"the run ended before its save could be killed:\n{tail(log)}"
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+                return step, (f"{mode} {delay:.3f}s" if mode == "delay" else mode)
+        time.sleep(0.002)
+    proc.kill()
+    raise TimeoutError(f"no save started within {timeout}s:\n{tail(log)}")
+
+
+def test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"[kill schedule seed {seed}]")
+    rng = random.Random(seed)
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    root = run_dir / "checkpoints"
+    ref = start([*BASE, "checkpoint.interval=0", f"experiment.run_dir={ref_dir}"], log=tmp_path / "ref.log")
+
+    expected_resume = None  # the step the next process must resume from (None: start fresh)
+    outcomes = []
+    for i in range(KILLS):
+        log = tmp_path / f"kill{i}.log"
+        n_resume, n_start = len(_events(run_dir, "resume")), len(_events(run_dir, "start"))
+        start_ns = time.time_ns()
+        proc = start([*BASE, *SAVE_EVERY_STEP, f"experiment.run_dir={run_dir}"], log=log)
+        step, how = _kill_during_a_save(proc, start_ns, root, rng, log)
+        assert proc.returncode == -signal.SIGKILL
+        resumes = _events(run_dir, "resume")
+        if expected_resume is None:
+            assert len(resumes) == n_resume and len(_events(run_dir, "start")) == n_start + 1, tail(log)
+        else:
+            assert len(resumes) == n_resume + 1 and resumes[-1]["step"] == expected_resume, (outcomes, tail(log))
+        # the save under way when the kill landed: the newest step named by a .tmp_step_* or step_* directory
+        # (the one that was killed, or the next one when the random delay outlasted it)
+        names = [p.name.removeprefix(".tmp_").removeprefix("step_") for p in root.iterdir()
+                 if p.is_dir() and (p.name.startswith(".tmp_step_") or p.name.startswith("step_"))]
+        newest = max(int(n.removeprefix("step_")) for n in names)
+        assert newest in (step, step + 1), (step, sorted(names))
+        renamed = (root / step_dir_name(newest)).is_dir()
+        expected_resume = newest if renamed else newest - 1
+        outcomes.append((newest, how, "renamed" if renamed else "not renamed"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the newest checkpoint is good: no fallback warning
+            found = find_resume_checkpoint("auto", root)
+        # nothing older was lost: every checkpoint the killed runs reported saved is at or before this one
+        assert max((e["step"] for e in _events(run_dir, "checkpoint")), default=0) <= expected_resume
+        if expected_resume == 0:  # killed during the very first save: nothing to resume, start fresh
+            assert found is None and list_checkpoints(root) == [], outcomes
+            expected_resume = None
+            continue
+        assert found == root / step_dir_name(expected_resume), (outcomes, found)
+        assert list_checkpoints(root)[-1] == found and verify_checkpoint(found) == []
+        # `latest` (for people and tools) may lag behind a rename, but names a complete checkpoint; it is
+        # absent only while no save has got as far as writing it
+        if (root / "latest").exists():
+            latest = root / (root / "latest").read_text().strip()
+            assert latest.name <= found.name and verify_checkpoint(latest) == [], (outcomes, latest)
+    print("kills (step of the save, moment, result):", outcomes)
+
+    # the last process runs to the end, saving only there (fewer saves, same steps)
+    rc = run([*BASE, "checkpoint.interval=0", f"experiment.run_dir={run_dir}"], log=tmp_path / "final.log")
+    assert rc == 0, tail(tmp_path / "final.log")
+    if expected_resume is not None:
+        assert _events(run_dir, "resume")[-1]["step"] == expected_resume
+    assert ref.wait(timeout=240) == 0, tail(tmp_path / "ref.log")
+    got, want = load_metrics(run_dir), load_metrics(ref_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want):
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])  # bitwise: the resumed steps are exact
+    assert (root / "latest").read_text().strip() == step_dir_name(STEPS)
+    assert not list(root.glob(".tmp_*"))
