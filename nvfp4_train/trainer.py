@@ -145,6 +145,15 @@ def _telemetry_module():
         return None
 
 
+def _weight_cache_functions():
+    """``(set_weight_cache, invalidate_weight_caches)`` of the quantized layers, or None without them."""
+    try:
+        from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
+    except ImportError:
+        return None
+    return set_weight_cache, invalidate_weight_caches
+
+
 def _unwrap(ddp):
     return ddp.module
 
@@ -238,7 +247,8 @@ class _Trainer:
         gbs = sc.global_batch_size
         valid_samples = sc.eval_batches * gbs
         self.train_ds, self.valid_ds = build_datasets(cfg.data, train_samples=self.sched.train_steps * gbs,
-                                                      valid_samples=valid_samples, tokenizer=tokenizer)
+                                                      valid_samples=valid_samples, tokenizer=tokenizer,
+                                                      vocab_size=cfg.model.vocab_size)
 
         # resume
         self.step = 0
@@ -382,6 +392,11 @@ class _Trainer:
         start_checkpoint_writer()  # before our handlers: a signal to the process group must not kill it
         flag = _SignalFlag(cfg.checkpoint.save_on_signal)
         module = _unwrap(self.ddp)
+        # quantize each weight once per optimizer step (not once per micro-batch); megatron's optimizer
+        # writes the weights through param.data, so the caches are dropped explicitly after every step
+        weight_caches = _weight_cache_functions()
+        if weight_caches is not None:
+            weight_caches[0](module, True)
         switch_start = self.switch.start_step(total)
         switched = False
         consecutive_bad = 0
@@ -416,6 +431,8 @@ class _Trainer:
                     ok = False
                 else:
                     ok, grad_norm, _ = self.optimizer.step()
+                if weight_caches is not None:
+                    weight_caches[1](module)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
