@@ -199,6 +199,18 @@ class _QuantLayer:
                 f"multiple of {b}, or keep this layer in bf16 with a precision rule"
             )
 
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        """megatron's GEMM slot: the stock implementation for a bf16 recipe, else :meth:`_quantized_forward`
+        (each layer's own communication around :meth:`_quant_gemm`); telemetry probes on both paths."""
+        tel = self.quant_telemetry
+        input = probe_input_grad(input, tel)
+        if self.lctx.recipe.is_bf16:
+            y = super()._forward_impl(input, weight, *args, **kwargs)
+        else:
+            y = self._quantized_forward(input, weight, **kwargs)
+        tel.check_output(y)
+        return y
+
     def _quant_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias, grad_output_buffer) -> torch.Tensor:
         if grad_output_buffer is not None:
             raise ValueError(
@@ -248,16 +260,6 @@ class QuantColumnParallelLinear(_QuantLayer, ColumnParallelLinear):
                                       **kwargs)
         self._init_quant(recipe, layer_name, seed, self.output_size_per_partition, self.input_size)
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        tel = self.quant_telemetry
-        input = probe_input_grad(input, tel)
-        if self.lctx.recipe.is_bf16:
-            y = super()._forward_impl(input, weight, *args, **kwargs)
-        else:
-            y = self._quantized_forward(input, weight, **kwargs)
-        tel.check_output(y)
-        return y
-
     def _quantized_forward(self, input, weight, *, bias, gradient_accumulation_fusion, allreduce_dgrad,
                            sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None,
                            tp_group=None):
@@ -294,18 +296,12 @@ class QuantRowParallelLinear(_QuantLayer, RowParallelLinear):
                                    **kwargs)
         self._init_quant(recipe, layer_name, seed, self.output_size, self.input_size_per_partition)
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        tel = self.quant_telemetry
-        input = probe_input_grad(input, tel)
-        if self.lctx.recipe.is_bf16:
-            y = super()._forward_impl(input, weight, *args, **kwargs)
-        else:
-            # megatron calls this with allreduce_dgrad=False, sequence_parallel=False, tp_group=None: the
-            # output reduction follows in RowParallelLinear.forward; the amax group is self.tp_group
-            assert not kwargs.get("allreduce_dgrad") and not kwargs.get("sequence_parallel")
-            y = self._quant_gemm(input, weight, kwargs.get("bias"), kwargs.get("grad_output_buffer"))
-        tel.check_output(y)
-        return y
+    def _quantized_forward(self, input, weight, *, bias, grad_output_buffer=None, allreduce_dgrad=False,
+                           sequence_parallel=False, **_unused):
+        # megatron calls this with allreduce_dgrad=False, sequence_parallel=False, tp_group=None: the output
+        # reduction follows in RowParallelLinear.forward; the amax group is self.tp_group
+        assert not allreduce_dgrad and not sequence_parallel
+        return self._quant_gemm(input, weight, bias, grad_output_buffer)
 
 
 def quant_layers(model: torch.nn.Module):
