@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_test_tokens() -> Path:
+    """Token files for the trainer tests (``<dir>/text_{train,validation}``), built once per machine from
+    ``tests/data/sample_text.txt`` with the committed tokenizer: a clean clone (CI) has no ``data/`` folder,
+    and the tests must not depend on ``make data``."""
+    src = ROOT / "tests" / "data" / "sample_text.txt"
+    tok = ROOT / "nvfp4_train" / "data" / "tokenizer.json"
+    key = hashlib.sha256(src.read_bytes() + tok.read_bytes()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"nvfp4_train_test_tokens_{key}"
+    if (out / "done").exists():
+        return out
+    from nvfp4_train.data.prepare import prepare
+
+    paragraphs = [p.strip() for p in src.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    n = len(paragraphs)
+    docs = ["\n\n".join(paragraphs[(i + j) % n] for j in range(1 + i % 4)) for i in range(200)]
+    tmp = Path(tempfile.mkdtemp(prefix="nvfp4_train_test_tokens_tmp_"))
+    for name, part in (("train", docs[:180]), ("valid", docs[180:])):
+        with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for d in part:
+                f.write(json.dumps({"text": d}) + "\n")
+    prepare([tmp / "train.jsonl"], tmp / "text", valid_inputs=[tmp / "valid.jsonl"], log=lambda *a, **k: None)
+    (tmp / "done").write_text("ok\n")
+    try:
+        os.replace(tmp, out)  # atomic; another process may have won the race, then its copy is used
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+_TOKENS = build_test_tokens()
 
 # 4 blocks of a 32-wide GPT (the stand-in reads the sizes from cfg.model); the vocabulary must hold the
 # committed tokenizer's 32768 ids. 32-token samples, 4 per step in 2 micro-batches.
@@ -16,6 +52,8 @@ TINY = [
     "model.vocab_size=32768", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.kv_channels=8",
     "model.pattern=*-*-", "model.num_layers=4",
     "data=text_cpu", "data.seq_length=32",
+    f"data.train_prefixes=[{_TOKENS / 'text_train'}]", f"data.valid_prefixes=[{_TOKENS / 'text_validation'}]",
+    f"data.cache_dir={_TOKENS / 'index_cache'}",
     "schedule.global_batch_size=4", "schedule.micro_batch_size=2", "schedule.warmup_steps=2",
     "schedule.eval_interval=0", "schedule.eval_batches=1", "schedule.lr=1e-3",
     "checkpoint.interval=0",
