@@ -3,13 +3,12 @@ checkpoint, the newest one whose save finished, and the run ends with the losses
 
 One ``train.py`` process (the GPTModel stand-in, CPU) per kill, all in one run directory, saving after every
 step (``checkpoint.interval=1``, ``keep_last=2``, so pruning runs in every save). Each process is killed
-while its k-th save (k = 1 or 2) is under way, at a random moment: a random delay after ``.tmp_step_N``
-appears (mostly inside megatron's dist-checkpoint write), as soon as the manifest exists (the commit), or as
-soon as ``step_N`` exists (the ``latest`` update and the pruning). After each kill the checkpoint directory
-must hold, as its newest ``step_*``, the save that was killed if its rename happened (``step_N``) and else
-the one before (``step_{N-1}``; none before step 1), verified without a warning, ``latest`` naming a
-verified checkpoint; the next process must say it resumed from exactly that step.
-"""
+while its k-th save (k = 1 or 2) is under way, at a random moment: a random delay after the save starts
+(mostly inside megatron's dist-checkpoint write), as soon as the manifest is being written (the hashing and
+the commit), or as soon as ``step_N`` exists (the ``latest`` update and the pruning). After each kill the
+newest ``step_*`` must be the killed save if its rename happened and else the one before (none before
+step 1), verify without a warning, and be at or after every checkpoint any process reported; ``latest``
+must name a verified checkpoint; the next process must say it resumed from exactly that step."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from nvfp4_train.checkpoint import find_resume_checkpoint, list_checkpoints, ste
 from nvfp4_train.metrics import load_metrics
 from tests.trainer.runs import TINY, run, start, tail
 
-STEPS = 8
+STEPS = 12  # more than the kills can reach (at most two saves per process): none hits the end
 KILLS = 5
 BASE = [*(a for a in TINY if not a.startswith("checkpoint.")), f"schedule.train_steps={STEPS}"]
 SAVE_EVERY_STEP = ["checkpoint.interval=1", "checkpoint.keep_last=2"]
@@ -39,48 +38,53 @@ def _events(run_dir: Path, name: str) -> list[dict]:
     return [r for r in recs if r["type"] == "event" and r["event"] == name]
 
 
-def _kill_during_a_save(proc, start_ns: int, root: Path, rng: random.Random, log: Path,
-                        timeout: float = 120) -> tuple[int, str]:
-    """Wait for this process's k-th save to start, SIGKILL it at a random moment of that save; return the
-    step of the save that was killed and how the moment was chosen."""
+def _train_steps(run_dir: Path) -> list[int]:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    recs = (json.loads(line) for line in f.read_text().splitlines() if line.strip())
+    return [r["step"] for r in recs if r["type"] == "train"]
+
+
+def _fresh(path: Path, since_ns: int) -> bool:
+    try:
+        return path.stat().st_mtime_ns >= since_ns
+    except FileNotFoundError:
+        return False
+
+
+def _kill_during_a_save(proc, run_dir: Path, rng: random.Random, log: Path, timeout: float = 120) -> tuple[int, str]:
+    """SIGKILL ``proc`` at a random moment of its k-th save (k = 1 or 2). A save of step N starts right after
+    the ``train`` record of step N (every step is saved), so the records written by this process count the
+    saves (a leftover ``.tmp_step_N`` of an earlier process cannot be told from a new one by its name).
+    Returns N and how the moment was chosen."""
     k = rng.choice((1, 2))
     mode = rng.choice(("delay", "delay", "manifest", "renamed"))
     delay = rng.uniform(0.0, 0.5)
-    seen: set[tuple[str, int]] = set()
-    saves = 0
+    before = len(_train_steps(run_dir))
+    root = run_dir / "checkpoints"
     t0 = time.time()
     while time.time() - t0 < timeout:
         assert proc.poll() is None, f"the run ended before its save could be killed:\n{tail(log)}"
-        tmps = []
-        for p in root.glob(".tmp_step_*") if root.is_dir() else ():
-            try:
-                key = (p.name, p.stat().st_ctime_ns)
-            except FileNotFoundError:  # committed in the meantime
-                continue
-            # a leftover of an earlier killed process is older than this one (a save recreates it)
-            if key not in seen and key[1] >= start_ns:
-                seen.add(key)
-                tmps.append(p)
-        if tmps:
-            saves += 1
-            if saves == k:
-                tmp = tmps[0]
-                step = int(tmp.name.removeprefix(".tmp_step_"))
-                final = root / step_dir_name(step)
-                t1 = time.time()
-                if mode == "delay":
-                    time.sleep(delay)
-                else:
-                    while time.time() - t1 < 30 and proc.poll() is None:
-                        # the manifest is being written (or already renamed along with its directory)
-                        if (any((tmp / n).exists() for n in ("manifest.json.tmp", "manifest.json"))
-                                or not tmp.exists() if mode == "manifest" else final.is_dir()):
+        mine = _train_steps(run_dir)[before:]
+        if len(mine) >= k:
+            step, t1, t1_ns = mine[k - 1], time.time(), time.time_ns()
+            tmp, final = root / f".tmp_{step_dir_name(step)}", root / step_dir_name(step)
+            if mode == "delay":
+                time.sleep(delay)
+            else:
+                while time.time() - t1 < 30 and proc.poll() is None:
+                    if mode == "manifest":  # the manifest is being written, or was renamed with its directory
+                        if (_fresh(tmp / "manifest.json.tmp", t1_ns) or _fresh(tmp / "manifest.json", t1_ns)
+                                or final.is_dir()):
                             break
-                        time.sleep(0.0005)
-                assert proc.poll() is None, f"the run ended before its save could be killed:\n{tail(log)}"
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=30)
-                return step, (f"{mode} {delay:.3f}s" if mode == "delay" else mode)
+                    elif final.is_dir():  # renamed: the `latest` update and the pruning follow
+                        break
+                    time.sleep(0.0005)
+            assert proc.poll() is None, f"the run ended before its save could be killed:\n{tail(log)}"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            return step, (f"{mode} {delay:.3f}s" if mode == "delay" else mode)
         time.sleep(0.002)
     proc.kill()
     raise TimeoutError(f"no save started within {timeout}s:\n{tail(log)}")
@@ -99,24 +103,22 @@ def test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint
     for i in range(KILLS):
         log = tmp_path / f"kill{i}.log"
         n_resume, n_start = len(_events(run_dir, "resume")), len(_events(run_dir, "start"))
-        start_ns = time.time_ns()
         proc = start([*BASE, *SAVE_EVERY_STEP, f"experiment.run_dir={run_dir}"], log=log)
-        step, how = _kill_during_a_save(proc, start_ns, root, rng, log)
+        step, how = _kill_during_a_save(proc, run_dir, rng, log)
         assert proc.returncode == -signal.SIGKILL
         resumes = _events(run_dir, "resume")
         if expected_resume is None:
             assert len(resumes) == n_resume and len(_events(run_dir, "start")) == n_start + 1, tail(log)
         else:
             assert len(resumes) == n_resume + 1 and resumes[-1]["step"] == expected_resume, (outcomes, tail(log))
-        # the save under way when the kill landed: the newest step named by a .tmp_step_* or step_* directory
-        # (the one that was killed, or the next one when the random delay outlasted it)
-        names = [p.name.removeprefix(".tmp_").removeprefix("step_") for p in root.iterdir()
-                 if p.is_dir() and (p.name.startswith(".tmp_step_") or p.name.startswith("step_"))]
-        newest = max(int(n.removeprefix("step_")) for n in names)
-        assert newest in (step, step + 1), (step, sorted(names))
-        renamed = (root / step_dir_name(newest)).is_dir()
-        expected_resume = newest if renamed else newest - 1
-        outcomes.append((newest, how, "renamed" if renamed else "not renamed"))
+        # the newest committed checkpoint: the save that was killed if it got as far as its rename, else the
+        # one before (killed before its rename, or even before its directory was made); one later only if
+        # the random delay outlasted the save
+        committed = [int(p.name.removeprefix("step_")) for p in list_checkpoints(root)]
+        newest = max(committed, default=0)
+        assert step - 1 <= newest <= step + 1, (step, committed)
+        expected_resume = newest
+        outcomes.append((step, how, "renamed" if newest >= step else "not renamed"))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the newest checkpoint is good: no fallback warning
             found = find_resume_checkpoint("auto", root)
