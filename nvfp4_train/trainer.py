@@ -12,6 +12,9 @@ pipeline parallelism), all-reduce [loss, non-finite flag, signal flag] over the 
 optimizer (non-finite loss) or call it (it skips itself on non-finite gradients: see ``nvfp4_train.optim``).
 Every ``logging.interval`` steps a metrics record, every ``schedule.eval_interval`` steps a validation pass,
 every ``checkpoint.interval`` steps a checkpoint; SIGTERM/SIGUSR1 finish the step, save and return.
+``optim.max_consecutive_bad_steps`` skipped steps in a row stop the run (``TrainingDiverged``) with a report
+naming the first non-finite quantized layer and its telemetry; a loss spike (``spike.*``, off by default) is
+logged, or rolled back to the last checkpoint past its data window. See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ import torch
 from nvfp4_train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, start_checkpoint_writer
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
 from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
+from nvfp4_train.spikes import SpikeDetector
 
 __all__ = ["train", "TrainResult", "TrainingDiverged", "hybrid_model_provider", "resolve_model_provider",
            "apply_precision_switch"]
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
+    """Too many consecutive steps with a non-finite loss or gradient, or a loss spike with no rollback left."""
 
 
 @dataclass(kw_only=True)
@@ -158,6 +162,12 @@ def _unwrap(ddp):
     return ddp.module
 
 
+def _format_stats(layer_stats: dict) -> str:
+    """``{operand: {zero, saturated, sqnr_db}}`` on one line."""
+    return ", ".join(f"{op} zero {st['zero']:.3g} saturated {st['saturated']:.3g} sqnr {st['sqnr_db']:.3g} dB"
+                     for op, st in layer_stats.items())
+
+
 class _SignalFlag:
     """SIGTERM / SIGUSR1 set a flag; the loop acts on it after the current step."""
 
@@ -246,14 +256,17 @@ class _Trainer:
         # data
         gbs = sc.global_batch_size
         valid_samples = sc.eval_batches * gbs
-        self.train_ds, self.valid_ds = build_datasets(cfg.data, train_samples=self.sched.train_steps * gbs,
-                                                      valid_samples=valid_samples, tokenizer=tokenizer,
-                                                      vocab_size=cfg.model.vocab_size)
+        self.train_ds, self.valid_ds = build_datasets(cfg.data, train_samples=self.sched.train_steps * gbs
+                                                      + self._rollback_reserve(), valid_samples=valid_samples,
+                                                      tokenizer=tokenizer, vocab_size=cfg.model.vocab_size)
 
         # resume
         self.step = 0
         self.skipped_steps = 0
         self.resumed_from = None
+        self.spikes = SpikeDetector(cfg.spike)
+        self.rollbacks = 0
+        self.skipped_samples = 0  # training samples never trained on: the data windows skipped by rollbacks
         path = find_resume_checkpoint(cfg.checkpoint.resume, self.ckpt_dir,
                                       checksums=cfg.checkpoint.verify == "sha256")
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
@@ -265,10 +278,15 @@ class _Trainer:
             if tstate.get("rank_extra"):
                 set_quant_rng_counters(_unwrap(self.ddp), tstate["rank_extra"].get("quant_calls", {}))
             self.skipped_steps = tstate.get("skipped_steps", 0)
-            if tstate.get("consumed_samples") != self.step * gbs:
+            self.skipped_samples = tstate.get("skipped_samples", 0)
+            self.rollbacks = tstate.get("rollbacks", 0)
+            if tstate.get("spike"):
+                self.spikes.load_state_dict(tstate["spike"])
+            if tstate.get("consumed_samples") != self.step * gbs + self.skipped_samples:
                 raise ValueError(f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not "
-                                 f"step * global_batch_size = {self.step} * {gbs}: the global batch size changed; "
-                                 f"resume with schedule.global_batch_size as saved")
+                                 f"step * global_batch_size + skipped_samples = {self.step} * {gbs} + "
+                                 f"{self.skipped_samples}: the global batch size changed; resume with "
+                                 f"schedule.global_batch_size as saved")
             saved_sched = tstate.get("schedule", {})
             if saved_sched and saved_sched != self.lr_schedule.state_dict():
                 warnings.warn(f"the schedule differs from the checkpoint's ({saved_sched}); continuing with this "
@@ -286,6 +304,8 @@ class _Trainer:
         self.telemetry = _telemetry_module() if cfg.logging.telemetry_interval else None
         if cfg.logging.telemetry_interval and self.telemetry is None:
             self.metrics.note("telemetry: nvfp4_train.precision.telemetry is not available, telemetry is off")
+        self.last_telemetry: tuple[int, dict] | None = None  # (step, layers) of the latest collection
+        self.tel_mod = self.telemetry or _telemetry_module()  # also for one-off collections and non-finite names
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _flops_per_token(self, module, parallel_state) -> float:
@@ -359,11 +379,67 @@ class _Trainer:
         (val,) = self._allreduce([total / self.cfg.schedule.eval_batches])
         return val
 
+    def _rollback_reserve(self) -> int:
+        """Training samples beyond ``train_steps * global_batch_size`` for the data windows that rollbacks
+        skip: a window is at most the steps since the last checkpoint (``checkpoint.interval``, or the whole run
+        without one), and there are at most ``spike.max_rollbacks`` of them."""
+        sp = self.cfg.spike
+        if not (sp.enabled and sp.rollback):
+            return 0
+        window = self.cfg.checkpoint.interval or self.sched.train_steps
+        return sp.max_rollbacks * window * self.cfg.schedule.global_batch_size
+
     def _trainer_state(self) -> dict:
         gbs = self.cfg.schedule.global_batch_size
-        return {"step": self.step, "consumed_samples": self.step * gbs,
+        return {"step": self.step, "consumed_samples": self.step * gbs + self.skipped_samples,
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "skipped_steps": self.skipped_steps,
-                "schedule": self.lr_schedule.state_dict(), "layout": self.ps.layout()}
+                "skipped_samples": self.skipped_samples, "rollbacks": self.rollbacks,
+                "spike": self.spikes.state_dict(), "schedule": self.lr_schedule.state_dict(),
+                "layout": self.ps.layout()}
+
+    def _all_ranks(self, item) -> list:
+        """``item`` of every rank, in rank order (collective)."""
+        if self.ps.world_size == 1:
+            return [item]
+        items = [None] * self.ps.world_size
+        torch.distributed.all_gather_object(items, item)
+        return items
+
+    def _first_over_ranks(self, item) -> tuple:
+        """(item, rank) of the lowest rank whose ``item`` is not None, else (None, None) (collective)."""
+        for rank, x in enumerate(self._all_ranks(item)):
+            if x is not None:
+                return x, rank
+        return None, None
+
+    def _layer_telemetry(self, layer: str | None) -> tuple[int | None, dict | None]:
+        """(step, operand stats) of ``layer`` in the latest telemetry collection that has it."""
+        if layer is None or self.last_telemetry is None or layer not in self.last_telemetry[1]:
+            return None, None
+        return self.last_telemetry[0], self.last_telemetry[1][layer]
+
+    def _rollback(self, path) -> tuple[int, int]:
+        """Reload checkpoint ``path`` after a loss spike; the data from its position up to the current one
+        (the window that led to the spike, the spiking step's batch included) is skipped. Returns the
+        window [first, end) in training samples."""
+        gbs = self.cfg.schedule.global_batch_size
+        end = self.step * gbs + self.skipped_samples
+        tstate = load_checkpoint(path, ddp=self.ddp, optimizer=self.optimizer, layout=self.ps.layout(),
+                                 model_config=dataclasses.asdict(self.cfg.model))
+        self.step = tstate["step"]
+        if tstate.get("rank_extra"):
+            set_quant_rng_counters(_unwrap(self.ddp), tstate["rank_extra"].get("quant_calls", {}))
+        self.skipped_steps = tstate.get("skipped_steps", 0)
+        first = tstate["consumed_samples"]
+        self.skipped_samples = end - self.step * gbs
+        self.spikes = SpikeDetector(self.cfg.spike)
+        if tstate.get("spike"):
+            self.spikes.load_state_dict(tstate["spike"])
+        self.rollbacks += 1  # not the checkpoint's count: rollbacks are never undone
+        weight_caches = _weight_cache_functions()
+        if weight_caches is not None:  # the weights changed outside an optimizer step
+            weight_caches[1](_unwrap(self.ddp))
+        return first, end
 
     def save(self) -> str:
         meta = {"model": dataclasses.asdict(self.cfg.model), "layout": self.ps.layout(), "step": self.step,
@@ -405,7 +481,9 @@ class _Trainer:
         saved_step = self.step if self.resumed_from else None
         last_eval_step = -1
         stopped = False
-        loader_it = iter(self._loader(self.train_ds, self.step * sc.global_batch_size))
+        streak = None  # (step, layer, "forward" | "backward") of the first non-finite layer of a run of bad steps
+        telemetry_next = False  # collect telemetry in the next step (after a skipped step or a loss spike)
+        loader_it = iter(self._loader(self.train_ds, self.step * sc.global_batch_size + self.skipped_samples))
         try:
             while self.step < total:
                 step = self.step
@@ -416,8 +494,10 @@ class _Trainer:
                     self.metrics.note(f"step {step}: precision switch {self.switch.describe()} ({n} layers)")
                 telemetry_now = bool(self.telemetry and cfg.logging.telemetry_interval
                                      and step % cfg.logging.telemetry_interval == 0)
+                telemetry_now = telemetry_now or (telemetry_next and self.tel_mod is not None)
+                telemetry_next = False
                 if telemetry_now:
-                    self.telemetry.set_telemetry(module, True)
+                    self.tel_mod.set_telemetry(module, True)
                 lr = self.lr_schedule.apply(step)
                 t0 = time.perf_counter()
                 self.ddp.zero_grad_buffer()
@@ -438,20 +518,26 @@ class _Trainer:
                 dt = time.perf_counter() - t0
                 self.step += 1
                 if telemetry_now:
-                    self.metrics.telemetry(self.step, self.telemetry.collect_telemetry(module))
-                    self.telemetry.set_telemetry(module, False)
+                    self.last_telemetry = (self.step, self.tel_mod.collect_telemetry(module))
+                    self.metrics.telemetry(self.step, self.last_telemetry[1])
+                    self.tel_mod.set_telemetry(module, False)
                 if ok:
                     consecutive_bad = 0
+                    streak = None
                     last_loss = loss
                 else:
                     self.skipped_steps += 1
                     consecutive_bad += 1
                     layer = None
-                    tel = self.telemetry or _telemetry_module()
-                    if tel is not None and hasattr(tel, "first_nonfinite_layer"):
-                        layer = tel.first_nonfinite_layer(module)  # since the last reset: this step's
-                        if hasattr(tel, "reset_nonfinite"):
-                            tel.reset_nonfinite(module)
+                    tel = self.tel_mod
+                    if tel is not None and hasattr(tel, "nonfinite_events"):
+                        events = tel.nonfinite_events(module)  # since the last reset: this step's, this rank's
+                        tel.reset_nonfinite(module)
+                        first, rank = self._first_over_ranks(events[0][1:] if events else None)
+                        layer = first[0] if first else None
+                        if streak is None and first:
+                            streak = (self.step, layer, first[1], rank)
+                        telemetry_next = True  # the next step records every layer's telemetry (for the report)
                     self.metrics.event("skipped_step", self.step, loss=loss,
                                        reason="non-finite loss" if bad_loss > 0 else "non-finite gradient",
                                        consecutive=consecutive_bad, first_nonfinite_layer=layer)
@@ -468,14 +554,66 @@ class _Trainer:
                                         "skipped": not ok, "time_s": dt})
                 self.metrics.advance()
                 if consecutive_bad >= cfg.optim.max_consecutive_bad_steps:
+                    first_layer = streak[1] if streak else None
+                    tel_rank = streak[3] if streak else 0  # its telemetry from the rank that named it
+                    tel_step, layer_tel = self._all_ranks(self._layer_telemetry(first_layer))[tel_rank]
+                    if streak:
+                        where = "output" if streak[2] == "forward" else "input gradient"
+                        first = (f"first non-finite value: the {where} of layer {first_layer} at step {streak[0]}"
+                                 + (f" (rank {streak[3]})" if self.ps.world_size > 1 else ""))
+                        first += (f"; its quantization telemetry at step {tel_step}: {_format_stats(layer_tel)}"
+                                  if layer_tel else "; no telemetry of it was collected")
+                    else:
+                        first = "no quantized layer saw a non-finite value (the loss, or a module outside them)"
                     msg = (f"stopping at step {self.step}: {consecutive_bad} consecutive steps with a non-finite "
                            f"loss or gradient (optim.max_consecutive_bad_steps={cfg.optim.max_consecutive_bad_steps}"
-                           f"; {self.skipped_steps} skipped in total; last loss {loss}). The last good checkpoint "
-                           f"is {last_ckpt or self.resumed_from or 'none (none was saved)'}; "
-                           f"lower schedule.lr, check precision (python -m nvfp4_train.precision.table), or "
-                           f"enable logging.telemetry_interval to find the layer")
-                    self.metrics.event("diverged", self.step, message=msg)
+                           f"; {self.skipped_steps} skipped in total; last loss {loss}); {first}. The last good "
+                           f"checkpoint is {last_ckpt or self.resumed_from or 'none (none was saved)'} (rerun with "
+                           f"checkpoint.resume=auto to resume from it); lower schedule.lr or check precision "
+                           f"(python -m nvfp4_train.precision.table)")
+                    self.metrics.event("diverged", self.step, message=msg, first_nonfinite_layer=first_layer,
+                                       first_nonfinite_step=streak[0] if streak else None,
+                                       first_nonfinite_in=streak[2] if streak else None,
+                                       first_nonfinite_rank=streak[3] if streak else None, telemetry_step=tel_step,
+                                       layer_telemetry=layer_tel)
                     raise TrainingDiverged(msg)
+                if ok and self.spikes.observe(loss):
+                    med = self.spikes.median()
+                    tel_step, layers = self.last_telemetry or (None, None)
+                    self.metrics.event("loss_spike", self.step, loss=loss, median=med, factor=cfg.spike.factor,
+                                       telemetry_step=tel_step, telemetry=layers)
+                    self.metrics.note(f"step {self.step}: loss spike, {loss:.4f} > spike.factor {cfg.spike.factor} x "
+                                      f"running median {med:.4f}")
+                    if not cfg.spike.rollback:
+                        telemetry_next = True  # the step after the spike records every layer's telemetry
+                    elif self.rollbacks >= cfg.spike.max_rollbacks:
+                        msg = (f"stopping at step {self.step}: loss spike ({loss:.4f} > spike.factor "
+                               f"{cfg.spike.factor} x running median {med:.4f}) with spike.max_rollbacks="
+                               f"{cfg.spike.max_rollbacks} rollbacks done. The last checkpoint is "
+                               f"{last_ckpt or self.resumed_from or 'none (none was saved)'}; lower schedule.lr, or "
+                               f"raise spike.factor or spike.max_rollbacks")
+                        self.metrics.event("diverged", self.step, message=msg)
+                        raise TrainingDiverged(msg)
+                    else:
+                        path = find_resume_checkpoint("auto", self.ckpt_dir,
+                                                      checksums=cfg.checkpoint.verify == "sha256")
+                        if path is None:
+                            self.metrics.note(f"step {self.step}: no checkpoint to roll back to yet; continuing")
+                        else:
+                            from_step = self.step
+                            first, end = self._rollback(path)
+                            loader_it = iter(self._loader(self.train_ds, end))
+                            last_ckpt, saved_step, consecutive_bad, streak = str(path), self.step, 0, None
+                            if switched and self.step < switch_start:  # back before the precision switch
+                                apply_precision_switch(module, self.layer_map, self.switch, step=self.step,
+                                                       total_steps=total)
+                                switched = False
+                            self.metrics.event("rollback", self.step, from_step=from_step, checkpoint=str(path),
+                                               skipped_samples=[first, end], rollbacks=self.rollbacks)
+                            self.metrics.note(f"step {from_step}: rolled back to {path} (step {self.step}), skipping "
+                                              f"training samples [{first}, {end}) (rollback {self.rollbacks} of "
+                                              f"spike.max_rollbacks={cfg.spike.max_rollbacks})")
+                            continue
                 if sc.eval_interval and self.step % sc.eval_interval == 0:
                     last_val = self.evaluate()
                     last_eval_step = self.step

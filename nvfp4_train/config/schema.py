@@ -16,6 +16,7 @@ from nvfp4_train.metrics import LoggingConfig
 from nvfp4_train.optim import OptimConfig
 from nvfp4_train.parallel.setup import ParallelConfig
 from nvfp4_train.schedule import ScheduleConfig
+from nvfp4_train.spikes import SpikeConfig
 
 __all__ = ["Config", "SCHEMA_NAME"]
 
@@ -42,6 +43,8 @@ class Config:
     """Tensor / pipeline / sequence parallelism (``configs/parallel/``)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence, retention, resume (``configs/checkpoint/``)."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Loss-spike detection and rollback (``configs/spike/``; off by default)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Progress, metrics files, TensorBoard, wandb, telemetry (``configs/logging/``)."""
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)

@@ -5,6 +5,7 @@ subprocess gets them; nothing in megatron-core is patched):
 - ``RELIABILITY_NAN_GRAD="<layer name>:<steps>"``: in those optimizer steps (0-based, comma-separated) the
   gradient flowing into the output of the quantized layer ``<layer name>`` (``blocks.3.mlp.fc2``) is NaN;
   its forward, and so the loss, stay finite.
+  ``RELIABILITY_NAN_RANK=<r>``: only on rank r (default: every rank).
 - ``RELIABILITY_LOSS_SCALE="<factor>:<steps>"``: in those steps the model's per-token loss is multiplied by
   ``factor`` (a loss spike).
 - ``RELIABILITY_BATCH_LOG=<file>``: one line per training micro-batch: a hash of its token ids (what data
@@ -76,7 +77,8 @@ def _with_faults(cfg, base_provider):
                 return output
 
             model.register_forward_hook(spike)
-        if nan_steps:
+        nan_rank = os.environ.get("RELIABILITY_NAN_RANK")
+        if nan_steps and (nan_rank is None or int(nan_rank) == int(os.environ.get("RANK", "0"))):
             layers = dict(model.precision_layers()) if hasattr(model, "precision_layers") else {}
             by_name = {getattr(m, "layer_name", ""): m for m in layers.values()}
             if nan_layer not in by_name:

@@ -35,3 +35,15 @@ def test_state_round_trip():
 def test_bad_config(kw):
     with pytest.raises(ValueError):
         SpikeConfig(**kw)
+
+
+@pytest.mark.parametrize("override,needle", [("spike.factor=0.5", "spike.factor=0.5 must be 0 (off) or > 1"),
+                                             ("spike.window=0", "spike.window"),
+                                             ("spike.max_rollbacks=-1", "spike.max_rollbacks >= 0")])
+def test_bad_spike_values_are_config_errors(override, needle):
+    from nvfp4_train.config import compose_config
+
+    assert compose_config("train", []).spike == SpikeConfig()  # off unless asked for
+    with pytest.raises(ValueError) as e:
+        compose_config("train", [override])
+    assert needle in str(e.value)
