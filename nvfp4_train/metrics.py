@@ -9,7 +9,7 @@ wandb (offline by default).
 - ``eval``: step, tokens, val_loss (mean over ``schedule.eval_batches`` fixed validation batches);
 - ``telemetry``: step and ``layers``: ``{layer: {operand: stats}}`` from
   ``nvfp4_train.precision.telemetry.collect_telemetry`` (when that module exists);
-- ``event``: start, resume, precision_switch, skipped_step, checkpoint, signal, diverged, end.
+- ``event``: start, resume, precision_switch, skipped_step, loss_spike, rollback, checkpoint, signal, diverged, end.
 
 A resumed run appends to the same file; ``load_metrics`` keeps, for each step, the record written last
 (a step redone after a resume from an older checkpoint replaces the first attempt).

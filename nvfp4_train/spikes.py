@@ -15,7 +15,7 @@ __all__ = ["SpikeConfig", "SpikeDetector"]
 
 @dataclass(kw_only=True)
 class SpikeConfig:
-    """Loss-spike detector (``optim.spike``)."""
+    """Loss-spike detector (the ``spike`` config section, ``configs/spike/``)."""
 
     factor: float = 0.0
     """A loss above factor x the running median is a spike; 0 turns detection off (e.g. 1.5)."""
