@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-import torch
+from tests.trainer.standin import nan_grad
 
 
 def _parse(var: str) -> tuple[str | None, set[int]]:
@@ -36,16 +36,6 @@ def _parse(var: str) -> tuple[str | None, set[int]]:
 def _num_micro(cfg) -> int:
     dp = int(os.environ.get("WORLD_SIZE", "1")) // (cfg.parallel.tp * cfg.parallel.pp)
     return cfg.schedule.global_batch_size // (cfg.schedule.micro_batch_size * dp)
-
-
-class _NanGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("nan")
 
 
 def _with_faults(cfg, base_provider):
@@ -85,14 +75,14 @@ def _with_faults(cfg, base_provider):
                 raise ValueError(f"RELIABILITY_NAN_GRAD: no quantized layer {nan_layer!r} "
                                  f"(have {sorted(by_name)})")
 
-            def nan_grad(mod, _args, output):
+            def nan_grad_hook(mod, _args, output):
                 if not (mod.training and calls["step"] in nan_steps):
                     return output
                 if isinstance(output, tuple):  # megatron linear layers return (output, bias)
-                    return (_NanGrad.apply(output[0]), *output[1:])
-                return _NanGrad.apply(output)
+                    return (nan_grad(output[0]), *output[1:])
+                return nan_grad(output)
 
-            by_name[nan_layer].register_forward_hook(nan_grad)
+            by_name[nan_layer].register_forward_hook(nan_grad_hook)
         return model
 
     return provider

@@ -50,7 +50,7 @@ def gpt_provider(cfg):
                 if nan_kind == "loss":
                     return output * float("nan")
                 if nan_kind == "grad":
-                    return _nan_grad(output)
+                    return nan_grad(output)
                 raise ValueError(f"STANDIN_NAN kind {nan_kind!r} is not loss or grad")
 
             model.register_forward_hook(hook)
@@ -69,5 +69,6 @@ class _NanGrad(torch.autograd.Function):
         return g * float("nan")
 
 
-def _nan_grad(output):
+def nan_grad(output):
+    """``output`` unchanged forward; its gradient NaN in backward (a fault injected by the tests)."""
     return _NanGrad.apply(output)
