@@ -149,13 +149,16 @@ def _telemetry_module():
         return None
 
 
-def _weight_cache_functions():
-    """``(set_weight_cache, invalidate_weight_caches)`` of the quantized layers, or None without them."""
-    try:
-        from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
-    except ImportError:
-        return None
-    return set_weight_cache, invalidate_weight_caches
+def _set_weight_cache(module, enabled: bool) -> None:
+    from nvfp4_train.precision.megatron_linear import set_weight_cache
+
+    set_weight_cache(module, enabled)  # a model without quantized layers has nothing to set
+
+
+def _invalidate_weight_caches(module) -> None:
+    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches
+
+    invalidate_weight_caches(module)
 
 
 def _unwrap(ddp):
@@ -436,9 +439,7 @@ class _Trainer:
         if tstate.get("spike"):
             self.spikes.load_state_dict(tstate["spike"])
         self.rollbacks += 1  # not the checkpoint's count: rollbacks are never undone
-        weight_caches = _weight_cache_functions()
-        if weight_caches is not None:  # the weights changed outside an optimizer step
-            weight_caches[1](_unwrap(self.ddp))
+        _invalidate_weight_caches(_unwrap(self.ddp))  # the weights changed outside an optimizer step
         return first, end
 
     def save(self) -> str:
@@ -470,9 +471,7 @@ class _Trainer:
         module = _unwrap(self.ddp)
         # quantize each weight once per optimizer step (not once per micro-batch); megatron's optimizer
         # writes the weights through param.data, so the caches are dropped explicitly after every step
-        weight_caches = _weight_cache_functions()
-        if weight_caches is not None:
-            weight_caches[0](module, True)
+        _set_weight_cache(module, True)
         switch_start = self.switch.start_step(total)
         switched = False
         consecutive_bad = 0
@@ -511,8 +510,7 @@ class _Trainer:
                     ok = False
                 else:
                     ok, grad_norm, _ = self.optimizer.step()
-                if weight_caches is not None:
-                    weight_caches[1](module)
+                _invalidate_weight_caches(module)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
