@@ -15,7 +15,12 @@ import torch
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-__all__ = ["RMSNorm", "linear_spec"]
+__all__ = ["RMSNorm", "linear_spec", "param_device"]
+
+
+def param_device(config: TransformerConfig):
+    """Where megatron creates parameters: the CPU under ``use_cpu_initialization``, else the current GPU."""
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
 
 class RMSNorm(torch.nn.Module):
@@ -28,8 +33,7 @@ class RMSNorm(torch.nn.Module):
         self.config = config
         self.eps = eps
         self.weight = torch.nn.Parameter(
-            torch.ones(hidden_size, dtype=config.params_dtype,
-                       device="cpu" if config.use_cpu_initialization else torch.cuda.current_device())
+            torch.ones(hidden_size, dtype=config.params_dtype, device=param_device(config))
         )
         # megatron all-reduces the grads of params marked so over TP when sequence parallelism is on
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)

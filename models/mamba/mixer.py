@@ -34,6 +34,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from models.layers import param_device
 from models.mamba.ops import causal_conv1d, init_A_log, init_D, init_dt_bias, rmsnorm_gated, ssd_scan
 
 __all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaLayer", "MambaLayerSubmodules"]
@@ -49,10 +50,6 @@ class MambaMixerSubmodules:
 class MambaLayerSubmodules:
     norm: ModuleSpec | type
     mixer: ModuleSpec | type
-
-
-def _param_device(config: TransformerConfig):
-    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
 
 class _GatedNorm(torch.nn.Module):
@@ -111,7 +108,7 @@ class MambaMixer(MegatronModule):
             tp_group=self.tp_group,
         )
         conv_dim = self.d_inner_local + 2 * self.ngroups_local * state_dim  # x B C (this rank)
-        dev = _param_device(config)
+        dev = param_device(config)
         # TP-sharded parameters draw from megatron's model-parallel RNG stream on GPU (distinct per TP rank);
         # CPU initialisation draws from the default CPU stream, as megatron's own layers do there
         fork = contextlib.nullcontext() if config.use_cpu_initialization else get_cuda_rng_tracker().fork()
