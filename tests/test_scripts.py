@@ -17,9 +17,9 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_bench_model_quick(tmp_path):
+def test_bench_train_quick(tmp_path):
     out = tmp_path / "bench.json"
-    p = _run(["scripts/bench_model.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out)])
+    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out)])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads(out.read_text())
     assert [r["recipe"] for r in rows] == ["bf16", "nvfp4"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Model-level benchmark on one GPU: forward + backward step time, tokens/s, MFU and peak memory of the hybrid
-model under several recipes, measured in ONE run (ratios to BF16 are what count).
+"""Training-step benchmark on one GPU: step time, tokens/s, MFU and peak memory of the hybrid model under several
+recipes, measured in ONE run (ratios to BF16 are what count).
 
 Cases (``--cases``):
   slice12b   a 4-block slice of the 12B (real widths: hidden 5120, MLP 20480, 40/8 heads, Mamba 128x80;
@@ -8,16 +8,19 @@ Cases (``--cases``):
   small      the ``small`` hybrid, sequence 2048, micro-batch 8, the recipe's default layer map
   1.2b       the 1.2B Transformer, sequence 4096, micro-batch 2, the recipe's default layer map
 
-For each case and recipe: build the model (bf16 parameters) on the GPU, run ``--warmup`` then ``--iters``
-steps of forward + backward (loss = mean per-token cross entropy), timed with CUDA events, median step time.
-The optimizer step is not included (it is the same FP32 AdamW for every recipe). Peak memory is
-``torch.cuda.max_memory_allocated`` during the timed steps; "activations" is the peak minus the memory held
-before the first forward (weights + gradients), i.e. what the step saved for backward plus workspace.
+For each case and recipe: build the model (bf16 parameters) on the GPU, wrap it as ``train.py`` does
+(megatron's DDP with FP32 gradient buffers, the distributed optimizer: FP32 master weights, AdamW, gradient
+clipping; the quantized weights cached per optimizer step and dropped after it), run ``--warmup`` then
+``--iters`` full training steps (zero grads, forward, backward of the mean per-token cross entropy, optimizer
+step), timed with CUDA events, median step time. ``--no-optimizer`` times forward + backward only (the
+optimizer step is the same FP32 AdamW for every recipe). Peak memory is ``torch.cuda.max_memory_allocated``
+during the timed steps; "activations" is the peak minus the memory held before the first timed step (weights,
+gradient buffers, optimizer state), i.e. what the step saved for backward plus workspace.
 MFU = model FLOPs per token (``models.flops``) x tokens/s / 989.4 TFLOP/s (H200 dense BF16 peak; Hopper has
 no FP4 tensor cores, so BF16 peak is the ceiling for every recipe here).
 
-    python3 scripts/bench_model.py --cases slice12b small 1.2b --recipes bf16 fp8 nvfp4 --json out.json
-    python3 scripts/bench_model.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
+    python3 scripts/bench_train.py --cases slice12b small 1.2b --recipes bf16 fp8 nvfp4 --json out.json
+    python3 scripts/bench_train.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
 """
 
 from __future__ import annotations
@@ -62,13 +65,15 @@ def _init_dist() -> None:
         ps.initialize_model_parallel(1, 1)
 
 
-def bench_case(case: str, recipe: str, warmup: int, iters: int) -> dict:
+def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from models.build import build_model, transformer_config
     from models.config import count_parameters, model_config
     from models.flops import training_flops_per_token
+    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
+    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
 
     size, overrides, seq, mb, all_q = CASES[case]
     mc = model_config(size).replace(**overrides)
@@ -86,13 +91,28 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int) -> dict:
     ids = torch.randint(0, mc.vocab_size, (mb, seq), generator=g).to(dev)
     pos = torch.arange(seq, device=dev)[None].expand(mb, seq)
 
-    def step() -> None:
-        loss = model(ids, pos, None, labels=ids).float().mean()
-        loss.backward()
+    if optimizer:
+        ddp = build_ddp(model, OptimConfig())
+        opt = build_optimizer([ddp], OptimConfig(), lr=1e-4, min_lr=1e-5)
+        set_weight_cache(model, True)  # as the trainer: quantize each weight once per optimizer step
+
+        def step() -> None:
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            loss = ddp(ids, pos, None, labels=ids).float().mean()
+            loss.backward()
+            ddp.finish_grad_sync()
+            opt.step()
+            invalidate_weight_caches(model)
+    else:
+        def step() -> None:
+            loss = model(ids, pos, None, labels=ids).float().mean()
+            loss.backward()
 
     for _ in range(warmup):
         step()
-    model.zero_grad(set_to_none=False)
+    if not optimizer:
+        model.zero_grad(set_to_none=False)
     times = []
     if cuda:
         torch.cuda.synchronize()
@@ -116,11 +136,13 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int) -> dict:
     tokens = mb * seq
     tps = tokens / t
     flops = training_flops_per_token(mc, seq)
-    res = dict(case=case, recipe=recipe, params=count_parameters(mc), seq=seq, micro_batch=mb,
+    res = dict(case=case, recipe=recipe, optimizer=optimizer, params=count_parameters(mc), seq=seq, micro_batch=mb,
                bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t, tokens_per_s=tps,
                tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
                peak_gib=peak / 2**30, activation_gib=(peak - base) / 2**30)
     del model
+    if optimizer:
+        del ddp, opt
     return res
 
 
@@ -131,6 +153,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-optimizer", action="store_true", help="time forward + backward only")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 2 steps")
     a = ap.parse_args()
     if a.quick:
@@ -140,7 +163,7 @@ def main() -> int:
     for case in a.cases:
         for recipe in a.recipes:
             try:
-                rows.append(bench_case(case, recipe, a.warmup, a.iters))
+                rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer))
             except Exception as e:  # report and go on: one failing recipe must not hide the others
                 rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
             r = rows[-1]
