@@ -166,6 +166,36 @@ def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight:
     return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "ms": statistics.median(tot)}
 
 
+def profile_one(layer, x, dy, iters: int = 3) -> list[dict]:
+    """GPU kernels of ``iters`` forward + backward iterations (torch.profiler): name, calls and self device
+    time per iteration, largest first (on CPU: the ops' self CPU time). Where an NVFP4 layer's time goes (GEMMs vs quantize vs dequantize)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nvfp4_train.precision.megatron_linear import set_weight_cache
+
+    set_weight_cache(layer, False)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            x.grad = None
+            layer.weight.grad = None
+            y, _ = layer(x)
+            y.backward(dy)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if x.is_cuda:
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+        else:  # CPU (--quick): host ops, to exercise the path
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": e.key, "calls": e.count / iters, "us": us / iters})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 def run(args) -> dict:
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     setup_single_rank(device)
@@ -188,6 +218,8 @@ def run(args) -> dict:
             rel = (float((y - y_ref).norm() / y_ref.norm()) if y_ref is not None else float("nan"))
             t = bench_one(layer, x, dy, timer, args.warmup, args.iters, args.reuse_weight)
             rows.append({"recipe": recipe, **t, "saved_bytes": nbytes, "y_rel_err": rel})
+            if args.profile and recipe in args.profile:
+                rows[-1]["kernels"] = profile_one(layer, x, dy)
             del layer
         base = next((r for r in rows if r["recipe"] == "bf16"), None)
         for r in rows:
@@ -234,6 +266,14 @@ def report(res: dict) -> tuple[str, bool]:
                 f"{fmt(r['time_ratio'], '.2f')} | {fmt(r['saved_bytes'] / 2**20, '.2f')} | "
                 f"{fmt(r['saved_ratio'], '.3f')} | {fmt(r['y_rel_err'], '.3g')} |")
         lines.append("")
+        for r in s["rows"]:
+            if r.get("kernels"):
+                total = sum(k["us"] for k in r["kernels"])
+                lines += [f"### {s['shape']}, {r['recipe']}: GPU kernels per fwd+bwd (torch.profiler, "
+                          f"{total:.0f} us in all)", "", "| kernel | calls | us | share |", "|---|---:|---:|---:|"]
+                lines += [f"| {k['name'][:90]} | {k['calls']:g} | {k['us']:.1f} | {100 * k['us'] / total:.1f}% |"
+                          for k in r["kernels"][:16]]
+                lines.append("")
     lines += ["## all six shapes (summed)", "", "| recipe | total ms | x bf16 | saved MiB | saved x bf16 |",
               "|---|---:|---:|---:|---:|"]
     for name, t in res["totals"].items():
@@ -261,6 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="*", help="subset of shape names (default: all six)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--profile", nargs="*", choices=RECIPES, default=None,
+                    help="also list the GPU kernels of one fwd+bwd per shape for these recipes (torch.profiler)")
     ap.add_argument("--reuse-weight", action="store_true",
                     help="keep the cached quantized weight between iterations (default: re-quantize each time)")
     args = ap.parse_args(argv)

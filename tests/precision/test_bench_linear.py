@@ -37,3 +37,18 @@ def test_bench_linear_quick(tmp_path):
         for r, hi in (("fp8", 0.1), ("fp8_tensorwise", 0.1), ("nvfp4", 0.3), ("mxfp4", 0.3)):
             assert 0 < rows[r]["y_rel_err"] < hi and rows[r]["ms"] > 0
     assert set(res["totals"]) == {"bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4"}
+
+
+def test_bench_linear_profile_lists_the_ops(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_linear.py"), "--quick", "--recipes", "nvfp4",
+                           "--shapes", "mlp.fc1", "--profile", "nvfp4", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "### mlp.fc1, nvfp4: GPU kernels per fwd+bwd" in proc.stdout
+    rows = {r["recipe"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
+    assert "kernels" not in rows["bf16"]  # only the recipes asked for
+    kernels = rows["nvfp4"]["kernels"]
+    assert kernels and all(k["us"] > 0 and k["calls"] > 0 for k in kernels)
+    assert [k["us"] for k in kernels] == sorted((k["us"] for k in kernels), reverse=True)
