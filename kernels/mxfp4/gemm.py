@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels._dispatch import interpret_mode
-from kernels.nvfp4.gemm import GemmConfig, blockscaled_fp4_gemm
+from kernels.nvfp4.gemm import GemmConfig, blockscaled_fp4_gemm, dequantize_fp4_blockwise_triton, gemm_alpha_triton
 
 MX_BLOCK = 32
 
@@ -35,12 +35,16 @@ def mxfp4_gemm_triton(
     *,
     dot_dtype: str | None = None,
     split_nibbles: bool = False,
+    predequant: bool | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """C[M, N] = A[M, K] . B[N, K]^T for MXFP4 operands (objects with ``codes`` uint8 [., K/2] and
     ``scales`` uint8 [., K/32], e.g. ``MXFP4Tensor``). ``out_dtype``: torch.bfloat16 or torch.float32.
     ``dot_dtype``: None picks 'bf16' on the GPU and 'fp32' under the interpreter; 'fp16' is refused (not
-    exact for E8M0 scales)."""
+    exact for E8M0 scales). ``predequant`` (None: on the GPU, not under the interpreter): the NVFP4 GEMM's
+    faster design (``nvfp4_gemm_predequant``): one pass writes each operand's exact ``e2m1 * 2^(s-127)`` in
+    the dot dtype, then the pipelined 16-bit GEMM (no alpha); otherwise the dequantize-in-registers kernel.
+    Products are exact either way and both accumulate in fp32."""
     if dot_dtype is None:
         dot_dtype = "fp32" if interpret_mode() else "bf16"
     if dot_dtype == "fp16":
@@ -48,6 +52,17 @@ def mxfp4_gemm_triton(
                          "use dot_dtype='bf16' (GPU) or 'fp32'")
     if a.scales.dtype != torch.uint8 or b.scales.dtype != torch.uint8:
         raise TypeError(f"MXFP4 scales must be uint8 E8M0, got {a.scales.dtype} and {b.scales.dtype}")
+    if predequant is None:
+        predequant = not interpret_mode()
+    if predequant and not split_nibbles:
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"MXFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
+        if a.shape[1] % MX_BLOCK:
+            raise ValueError(f"MXFP4 GEMM needs K a multiple of the scale block {MX_BLOCK}, got K = {a.shape[1]}")
+        dt = torch.bfloat16 if dot_dtype == "bf16" else torch.float32
+        da, db = (dequantize_fp4_blockwise_triton(q.codes, q.scales, block=MX_BLOCK, scale_format="e8m0", dtype=dt)
+                  for q in (a, b))
+        return gemm_alpha_triton(da, db, None, out_dtype, config=config)
     return blockscaled_fp4_gemm(
         a.codes, a.scales, b.codes, b.scales, block=MX_BLOCK, scale_format="e8m0", alpha=None,
         out_dtype=out_dtype, dot_dtype=dot_dtype, split_nibbles=split_nibbles, config=config,
