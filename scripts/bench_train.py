@@ -14,8 +14,10 @@ clipping; the quantized weights cached per optimizer step and dropped after it),
 ``--iters`` full training steps (zero grads, forward, backward of the mean per-token cross entropy, optimizer
 step), timed with CUDA events, median step time. ``--no-optimizer`` times forward + backward only (the
 optimizer step is the same FP32 AdamW for every recipe). Peak memory is ``torch.cuda.max_memory_allocated``
-during the timed steps; "activations" is the peak minus the memory held before the first timed step (weights,
-gradient buffers, optimizer state), i.e. what the step saved for backward plus workspace.
+during the timed steps; "before step" is the memory held before the first timed step (weights, gradient
+buffers, optimizer state); "activations" is the peak minus that, i.e. what the step saved for backward plus
+workspace. Each case starts after a garbage collection: the previous case's model and optimizer form
+reference cycles through megatron's hooks and would otherwise stay allocated.
 MFU = model FLOPs per token (``models.flops``) x tokens/s / 989.4 TFLOP/s (H200 dense BF16 peak; Hopper has
 no FP4 tensor cores, so BF16 peak is the ceiling for every recipe here).
 
@@ -26,6 +28,7 @@ no FP4 tensor cores, so BF16 peak is the ceiling for every recipe here).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -83,6 +86,9 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
     dev = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
+    # the previous case's model, DDP buffers and optimizer form reference cycles (megatron's hooks): collect
+    # them, or their memory stays allocated and inflates this case's peak
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -139,10 +145,11 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
     res = dict(case=case, recipe=recipe, optimizer=optimizer, params=count_parameters(mc), seq=seq, micro_batch=mb,
                bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t, tokens_per_s=tps,
                tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
-               peak_gib=peak / 2**30, activation_gib=(peak - base) / 2**30)
+               peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30)
     del model
     if optimizer:
         del ddp, opt
+    gc.collect()
     return res
 
 
@@ -169,8 +176,9 @@ def main() -> int:
             r = rows[-1]
             print(json.dumps(r), flush=True)
     print()
-    print("| case | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | TFLOP/s | MFU | peak GiB | act. GiB | act. vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | TFLOP/s | MFU | peak GiB | before step GiB "
+          "| act. GiB | act. vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {r["case"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
     for r in rows:
         if "error" in r:
@@ -181,7 +189,7 @@ def main() -> int:
         aratio = f"{r['activation_gib'] / b['activation_gib']:.2f}x" if b and b["activation_gib"] > 0 else "-"
         print(f"| {r['case']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | {r['step_s'] * 1e3:.1f} | "
               f"{ratio} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | "
-              f"{r['peak_gib']:.1f} | {r['activation_gib']:.1f} | {aratio} |")
+              f"{r['peak_gib']:.1f} | {r['base_gib']:.1f} | {r['activation_gib']:.1f} | {aratio} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
