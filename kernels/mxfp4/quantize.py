@@ -26,6 +26,7 @@ from kernels.fp4_triton import (
     as_kernel_input,
     e2m1_round_nearest,
     e2m1_round_stochastic,
+    key_arg,
     load_tile,
     pack_pairs,
     random_bits8,
@@ -63,7 +64,7 @@ def _mx_blocks(v, amax, rbits, STOCHASTIC: tl.constexpr):
     return q, code
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_key", "col_key"])
 def _mxfp4_quantize_kernel(
     x_ptr, row_codes_ptr, row_scales_ptr, col_codes_ptr, col_scales_ptr,
     M, K, stride_m, stride_k, row_key, col_key,
@@ -155,7 +156,7 @@ def quantize_mxfp4_rowcol_triton(
         as_kernel_input(x),
         row_codes if write_row else dummy, row_scales if write_row else dummy,
         col_codes if write_col else dummy, col_scales if write_col else dummy,
-        M, K, x.stride(0), x.stride(1), row_key, col_key,
+        M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
         WRITE_ROW=write_row, WRITE_COL=write_col, ROW_SR=row_stochastic, COL_SR=col_stochastic,
         BLOCK_2D=block_2d, BF16_BITS=bf16, BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
     )

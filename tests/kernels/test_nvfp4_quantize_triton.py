@@ -152,9 +152,9 @@ ROWCOL_MODES = [
 ]
 
 
-@pytest.mark.parametrize("design", ["grouped", "tiled"])
+@pytest.mark.parametrize("design", ["grouped_lean", "grouped_lean_noasm", "grouped", "tiled"])
 def test_designs_on_whole_tiles(triton_device, gen, design):
-    """Both kernel designs on a shape made of whole default tiles (the grouped kernel's unmasked path), with
+    """Every kernel design on a shape made of whole default tiles (the grouped kernel's unmasked path), with
     rows of very different magnitudes (subnormal and saturating block scales in one tensor)."""
     from kernels.fp4_reference import seed_key
     from kernels.nvfp4.quantize import GROUPED_CONFIG, quantize_nvfp4_rowcol_triton
