@@ -143,7 +143,10 @@ def ssd_chunked_scan(
     cdt = _compute_dtype(x)
 
     dtd = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)  # [b, l, h]
-    xc, Bc, Cc = x.to(cdt), B.to(cdt), C.to(cdt)
+    # x is converted ONCE and both uses (the scan, the D skip) take that copy, so that its two gradient
+    # contributions are summed in the compute dtype and rounded to x's dtype once
+    x_cdt = x.to(cdt)
+    xc, Bc, Cc = x_cdt, B.to(cdt), C.to(cdt)
     pad = (-l) % chunk_size
     if pad:  # dt = 0 on the padding: decay exp(0) = 1 and no input, so nothing it touches changes
         dtd = F.pad(dtd, (0, 0, 0, pad))
@@ -181,7 +184,7 @@ def ssd_chunked_scan(
     y = y + torch.einsum("bcign,bcgrpn->bcigrp", Cc, entering) * from_start
 
     y = y.reshape(b, nc * Q, h, p)[:, :l]
-    out = _skip_and_gate(y, x, D, z, cdt).to(x.dtype)
+    out = _skip_and_gate(y, x_cdt, D, z, cdt).to(x.dtype)
     if return_final_states:
         return out, final.reshape(b, h, p, n)
     return out
