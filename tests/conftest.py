@@ -47,8 +47,9 @@ def triton_device() -> str:
 @pytest.fixture
 def gen() -> torch.Generator:
     """A freshly seeded CPU generator per test: inputs are new random draws for every test function, and
-    the seed is printed on failure so a failing draw can be reproduced."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    the seed is printed on failure so a failing draw can be reproduced: TEST_GEN_SEED=<seed> replays it."""
+    fixed = os.environ.get("TEST_GEN_SEED")
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
     g = torch.Generator().manual_seed(seed)
     print(f"[gen seed {seed}]")
     return g

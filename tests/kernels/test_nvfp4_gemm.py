@@ -69,7 +69,7 @@ def on(q: NVFP4Tensor, device: str) -> NVFP4Tensor:
                        block_2d=q.block_2d)
 
 
-def assert_bitwise(got: torch.Tensor, ref: torch.Tensor) -> None:
+def assert_bitwise(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
     """Bitwise equality, NaN positions included; the sign of an exact zero is not compared (the kernel's
     accumulator starts at +0, a BLAS sum of all -0 products may end at -0): ``x + 0.0`` maps -0 to +0."""
     got, ref = got.cpu(), ref.cpu()
@@ -79,7 +79,8 @@ def assert_bitwise(got: torch.Tensor, ref: torch.Tensor) -> None:
     g, r = (got[keep] + 0.0), (ref[keep] + 0.0)
     bits = torch.int32 if got.dtype == torch.float32 else torch.int16
     bad = g.view(bits) != r.view(bits)
-    assert not bad.any(), f"{int(bad.sum())} elements differ, e.g. {g[bad][:5].tolist()} vs {r[bad][:5].tolist()}"
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements differ, e.g. {g[bad][:5].tolist()} vs "
+                           f"{r[bad][:5].tolist()}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -123,9 +124,9 @@ def test_exact_partial_sums(triton_device, gen, out_dtype):
     b = make(b_codes, b_sc.view(N, K // 16), amax_b, triton_device)
     ref = nvfp4_gemm_ref(to_cpu(a), to_cpu(b), out_dtype)
     for kw in variants(triton_device):
-        assert_bitwise(run(a, b, out_dtype, kw), ref)
+        assert_bitwise(run(a, b, out_dtype, kw), ref, f"variant {kw}")
     # the public entry point dispatches to the kernel
-    assert_bitwise(nvfp4_gemm(a, b, out_dtype), ref)
+    assert_bitwise(nvfp4_gemm(a, b, out_dtype), ref, "nvfp4_gemm")
 
 
 # ----------------------------------------------------------------------------------------------------------
