@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install data train test test-unit test-triton test-dist test-gpu bench bench-kernels wheelhouse wheelhouse-h200 clean
+.PHONY: install data train test test-unit test-triton test-dist test-gpu bench bench-kernels bench-linear bench-train wheelhouse wheelhouse-h200 clean
 
 install: $(STAMP)
 
@@ -43,10 +43,17 @@ GPU_PY ?= python3
 test-gpu:
 	$(GPU_PY) -m pytest -q -m "triton or gpu" tests
 
-bench: bench-kernels
+# GPU benchmarks (docs/benchmarks.md has their results and commands)
+bench: bench-kernels bench-linear bench-train
 
 bench-kernels:
 	$(GPU_PY) scripts/bench_kernels.py
+
+bench-linear:
+	$(GPU_PY) scripts/bench_linear.py --profile nvfp4 fp8
+
+bench-train:
+	$(GPU_PY) scripts/bench_train.py --cases small slice12b 1.2b --recipes bf16 fp8 nvfp4
 
 wheelhouse:
 	bash scripts/wheelhouse.sh
