@@ -293,7 +293,9 @@ def e2m1_code_sr_lean(y, rbits, NATIVE: tl.constexpr):
     lower neighbour's index in its binade, f the fraction of the gap). "Up" is r < 256 f, i.e.
     ceil(256 f) + 255 - r >= 256 (r an integer), so the code is (L + 255 - r + 256 (2e + 8s)) >> 8.
     ``NATIVE``: the GPU's add.rp (inline PTX: libdevice's __nv_fadd_ru would flush subnormal m to zero
-    under Triton's FTZ reflection); else L = ceil(m * 2^(9-e)) (an exact product; the interpreter's way)."""
+    under Triton's FTZ reflection); else L = ceil(m * 2^(9-e)) (an exact product; the interpreter's way), as
+    truncation plus one where a fraction is left: ``tl.math.ceil`` compiles to cvt.rpi.ftz.f32.f32 on the GPU,
+    which flushes a subnormal product (m < 2^-135) to 0 and so drops its 1-in-256 chance of rounding up."""
     m = tl.minimum(tl.abs(y), 6.0)
     e = tl.maximum(u32(m) & 0x7F800000, 0x3F800000)
     if NATIVE:
@@ -303,7 +305,9 @@ def e2m1_code_sr_lean(y, rbits, NATIVE: tl.constexpr):
         low = (t - q).to(tl.int32)
     else:
         scale = (0x83800000 - e).to(tl.float32, bitcast=True)  # 2^(9 - e)
-        low = tl.math.ceil(m * scale).to(tl.int32)
+        p = m * scale  # exact, in [0, 1024)
+        low = p.to(tl.int32)  # truncation (p >= 0)
+        low = low + (p > low.to(tl.float32)).to(tl.int32)
     sc = tl.where(y < 0, 255 - 65024 + 2048, 255 - 65024)
     return (low + (e >> 14).to(tl.int32) + sc - rbits) >> 8  # (e >> 14) = 256 (254 + 2e)
 

@@ -436,10 +436,12 @@ def _quantize_grouped_kernel(
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_2D: tl.constexpr,
     COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, IS_BF16: tl.constexpr,
     NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    LEAN: tl.constexpr = False, ASM: tl.constexpr = False,
+    LEAN: tl.constexpr = False, ASM: tl.constexpr = False, COL_TAB: tl.constexpr = False,
 ):
     """``LEAN``: the "grouped_lean" arithmetic (see ``DESIGNS``); ``ASM`` (GPU only): with it, the lean steps
-    that Triton cannot express in one instruction use inline PTX (add.rp, cvt.rn.bf16x2, prmt)."""
+    that Triton cannot express in one instruction use inline PTX (add.rp, cvt.rn.bf16x2, prmt). ``COL_TAB``
+    (with ``LEAN``; the launcher sets it for bf16 input only): the columnwise encode scales come from the
+    table too."""
     G: tl.constexpr = BM // 16
     KB: tl.constexpr = BK // 16
     pid = tl.program_id(0)
@@ -473,11 +475,11 @@ def _quantize_grouped_kernel(
     row_tab = enc_tab_ptr
     col_tab = enc_tab_ptr + 128
     if LEAN:
-        # every program writes the same two tables (a benign race); the barrier makes this program's own
+        # every program writes the same tables (a benign race); the barrier makes this program's own
         # writes visible to all its threads before the lookups (after the loads of x, so that their
-        # latency overlaps this)
+        # latency overlaps this). The columnwise table only with COL_TAB (bf16 input): see the column scale.
         _enc_table(row_tab, row_s_dec)
-        if WRITE_COL and not BLOCK_2D:
+        if WRITE_COL and not BLOCK_2D and COL_TAB:
             _enc_table(col_tab, _tensor_scales(tl.load(amax_ptr + 1))[1])
         tl.debug_barrier()
 
@@ -604,8 +606,19 @@ def _quantize_grouped_kernel(
                     x13 = round_to_bf16_fast(x13, NATIVE_CVT)
                     x14 = round_to_bf16_fast(x14, NATIVE_CVT)
                     x15 = round_to_bf16_fast(x15, NATIVE_CVT)
-            enc, csb = _block_scale(_max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
-                                    col_s_dec, col_c, NATIVE_CVT, LEAN, col_tab)
+            cmax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+            if COL_TAB:
+                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT, LEAN, col_tab)
+            else:
+                # fp32 input: the encode scale by division, as in "grouped", not by the table. The lookup is
+                # a gather load; Triton 3.6 anchors the rest of the columnwise copy to its layout (4 warps
+                # along k) and, for fp32 input only, moves the 16 mixed fp32 tensors there by stmatrix and
+                # the lookup pointers through shared memory. That was the one fp32-only construct of the lean
+                # kernel when its columnwise codes came out wrong on the H200 for fp32 input (rows k % 4 in
+                # {0, 1} = warps 0 and 1 of that layout); bf16 moves its 16-bit values instead and passed.
+                # Without the gather the copy stays in the load layout, as in the GPU-verified "grouped"
+                # design (``_col_table_fp32`` keeps the old path reachable, to diagnose it on a GPU).
+                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT)
             # counters of x^T [K, M]: k * M + m, row i adds i
             cbase = k.to(tl.uint32) * M.to(tl.uint32) + row0.to(tl.uint32)
             ckey = col_key.to(tl.uint32)
@@ -804,6 +817,7 @@ def quantize_nvfp4_rowcol_triton(
     num_warps: int | None = None,
     maxnreg: int | None = None,
     amax_cfg: dict | None = None,
+    _col_table_fp32: bool = False,
 ):
     """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
 
@@ -812,6 +826,8 @@ def quantize_nvfp4_rowcol_triton(
     two are kept for comparison in the benchmarks. ``block_m``, ``block_k``, ``num_warps`` and
     ``maxnreg`` (a register cap per thread) override the quantize pass's launch (default ``GROUPED_CONFIG``),
     ``amax_cfg`` the amax pass's (``AMAX_CONFIG``; its ``per_sm`` is the number of persistent programs per SM).
+    ``_col_table_fp32`` (diagnostics only, see tests/kernels/test_nvfp4_quant_lean_gpu.py): the lean designs look
+    the columnwise encode scales of fp32 input up in the table as well (the path that gave wrong codes on the H200).
 
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
     ``amax`` holds the (policy-adjusted) row and column amax.
@@ -878,7 +894,8 @@ def quantize_nvfp4_rowcol_triton(
             enc_tab,
             M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
             IS_BF16=is_bf16, NATIVE_CVT=_native_cvt(x), EVEN=M % block_m == 0 and K % block_k == 0,
-            LEAN=design.startswith("grouped_lean"), ASM=design == "grouped_lean" and _native_cvt(x), **flags,
+            LEAN=design.startswith("grouped_lean"), ASM=design == "grouped_lean" and _native_cvt(x),
+            COL_TAB=design.startswith("grouped_lean") and (is_bf16 or _col_table_fp32), **flags,
         )
     else:
         _quantize_kernel[_grid(M, K, block_m, block_k)](
