@@ -43,8 +43,10 @@ GPU_PY ?= python3
 test-gpu:
 	$(GPU_PY) -m pytest -q -m "triton or gpu" tests
 
-# GPU benchmarks (docs/benchmarks.md has their results and commands)
-bench: bench-kernels bench-linear bench-train
+# GPU benchmarks (docs/benchmarks.md has their results and commands). bench_linear.py exits 1 when a target
+# is missed; -k runs the other benchmarks anyway (make still reports the failure)
+bench:
+	$(MAKE) -k bench-kernels bench-linear bench-train
 
 bench-kernels:
 	$(GPU_PY) scripts/bench_kernels.py
