@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels._dispatch import interpret_mode
-from kernels.nvfp4.gemm import GemmConfig, blockscaled_fp4_gemm, dequantize_fp4_blockwise_triton, gemm_alpha_triton
+from kernels.nvfp4.gemm import GemmConfig, blockscaled_fp4_gemm, predequant_fp4_gemm
 
 MX_BLOCK = 32
 
@@ -55,14 +55,9 @@ def mxfp4_gemm_triton(
     if predequant is None:
         predequant = not interpret_mode()
     if predequant and not split_nibbles:
-        if a.shape[1] != b.shape[1]:
-            raise ValueError(f"MXFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
-        if a.shape[1] % MX_BLOCK:
-            raise ValueError(f"MXFP4 GEMM needs K a multiple of the scale block {MX_BLOCK}, got K = {a.shape[1]}")
-        dt = torch.bfloat16 if dot_dtype == "bf16" else torch.float32
-        da, db = (dequantize_fp4_blockwise_triton(q.codes, q.scales, block=MX_BLOCK, scale_format="e8m0", dtype=dt)
-                  for q in (a, b))
-        return gemm_alpha_triton(da, db, None, out_dtype, config=config)
+        return predequant_fp4_gemm(a.codes, a.scales, b.codes, b.scales, block=MX_BLOCK, scale_format="e8m0",
+                                   alpha=None, out_dtype=out_dtype, dot_dtype=dot_dtype, config=config,
+                                   fmt_name="MXFP4")
     return blockscaled_fp4_gemm(
         a.codes, a.scales, b.codes, b.scales, block=MX_BLOCK, scale_format="e8m0", alpha=None,
         out_dtype=out_dtype, dot_dtype=dot_dtype, split_nibbles=split_nibbles, config=config,

@@ -393,24 +393,11 @@ def _check_dot_dtype(dot_dtype: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def blockscaled_fp4_gemm(
-    a_codes: torch.Tensor,
-    a_scales: torch.Tensor,
-    b_codes: torch.Tensor,
-    b_scales: torch.Tensor,
-    *,
-    block: int,
-    scale_format: str,
-    alpha: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    dot_dtype: str,
-    split_nibbles: bool = False,
-    fold_pow2: bool = False,
-    config: GemmConfig | None = None,
-    fmt_name: str = "FP4",
-) -> torch.Tensor:
-    """Shared launcher of the NVFP4 (``scale_format='e4m3'``, block 16) and MXFP4 (``'e8m0'``, block 32)
-    GEMMs. Scales are uint8 (or a 1-byte float dtype, read as bytes). Validates its inputs."""
+def _check_operands(
+    a_codes, a_scales, b_codes, b_scales, alpha, *, block: int, fmt_name: str
+) -> tuple[int, int, int]:
+    """(M, N, K) of two block-scaled FP4 operands (codes uint8 [., K/2], 1-byte scales [., K/block]), or a
+    ValueError/TypeError that names the problem. Shared by both GEMM designs."""
     if a_codes.dim() != 2 or b_codes.dim() != 2:
         raise ValueError(f"{fmt_name} GEMM takes 2-D operands, got codes {tuple(a_codes.shape)} and "
                          f"{tuple(b_codes.shape)}")
@@ -429,15 +416,39 @@ def blockscaled_fp4_gemm(
         if s.element_size() != 1 or tuple(s.shape) != (rows, K // block):
             raise ValueError(f"{fmt_name} GEMM: {name} scales must be 1-byte [{rows}, {K // block}], got "
                              f"{s.dtype} {tuple(s.shape)}")
+    dev = a_codes.device
+    tensors = [b_codes, a_scales, b_scales] + ([alpha] if alpha is not None else [])
+    if any(t.device != dev for t in tensors):
+        raise ValueError(f"{fmt_name} GEMM: all operands (codes, scales, amax) must be on {dev}")
+    return M, N, K
+
+
+def blockscaled_fp4_gemm(
+    a_codes: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_codes: torch.Tensor,
+    b_scales: torch.Tensor,
+    *,
+    block: int,
+    scale_format: str,
+    alpha: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    dot_dtype: str,
+    split_nibbles: bool = False,
+    fold_pow2: bool = False,
+    config: GemmConfig | None = None,
+    fmt_name: str = "FP4",
+) -> torch.Tensor:
+    """Shared launcher of the NVFP4 (``scale_format='e4m3'``, block 16) and MXFP4 (``'e8m0'``, block 32)
+    GEMMs. Scales are uint8 (or a 1-byte float dtype, read as bytes). Validates its inputs."""
+    M, N, K = _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name)
     if out_dtype not in _OUT_DTYPES:
+
         raise TypeError(f"{fmt_name} GEMM out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     _check_dot_dtype(dot_dtype)
     if fold_pow2 and (dot_dtype != "fp16" or scale_format != "e4m3"):
         raise ValueError("fold_pow2 is an NVFP4 option of the fp16 dot (dot_dtype='fp16')")
     dev = a_codes.device
-    tensors = [b_codes, a_scales, b_scales] + ([alpha] if alpha is not None else [])
-    if any(t.device != dev for t in tensors):
-        raise ValueError(f"{fmt_name} GEMM: all operands (codes, scales, amax) must be on {dev}")
     cfg = config or default_config(M, N, K)
     _check_config(cfg, block, split_nibbles)
 
@@ -582,12 +593,31 @@ def nvfp4_gemm_predequant(
 ) -> torch.Tensor:
     """The same product as ``nvfp4_gemm_triton`` by the other design: dequantize each operand once to a
     16-bit [., K] tensor (``q * sdec_b``, exact), then a Triton 16-bit GEMM with the alpha epilogue."""
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
-    if a.shape[1] % BLOCK != 0:
-        raise ValueError(f"NVFP4 GEMM needs K a multiple of {BLOCK}, got K = {a.shape[1]}")
+    return predequant_fp4_gemm(
+        a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3", alpha=_alpha(a, b),
+        out_dtype=out_dtype, dot_dtype=dot_dtype, config=config, fmt_name="NVFP4",
+    )
+
+
+def predequant_fp4_gemm(
+    a_codes: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_codes: torch.Tensor,
+    b_scales: torch.Tensor,
+    *,
+    block: int,
+    scale_format: str,
+    alpha: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    dot_dtype: str,
+    config: GemmConfig | None = None,
+    fmt_name: str = "FP4",
+) -> torch.Tensor:
+    """The pre-dequantized design of the NVFP4 and MXFP4 GEMMs (arguments as ``blockscaled_fp4_gemm``): each
+    operand dequantized once to the dot dtype (``q * block_scale``, exact), then ``gemm_alpha_triton``."""
+    _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name)
     _check_dot_dtype(dot_dtype)
-    dt = _DOT_TORCH[dot_dtype]
-    da = dequantize_nvfp4_blockwise_triton(a, dt)
-    db = dequantize_nvfp4_blockwise_triton(b, dt)
-    return gemm_alpha_triton(da, db, _alpha(a, b), out_dtype, config=config)
+    da, db = (dequantize_fp4_blockwise_triton(c, sc, block=block, scale_format=scale_format,
+                                              dtype=_DOT_TORCH[dot_dtype])
+              for c, sc in ((a_codes, a_scales), (b_codes, b_scales)))
+    return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)
