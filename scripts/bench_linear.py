@@ -151,6 +151,14 @@ def saved_bytes(layer, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     return sum(seen) + layer.lctx.saved_bytes, y
 
 
+def fwd_bwd(layer, x, dy) -> None:
+    """One iteration: fresh gradients, ``y = layer(x)``, ``y.backward(dy)``."""
+    x.grad = None
+    layer.weight.grad = None
+    y, _ = layer(x)
+    y.backward(dy)
+
+
 def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight: bool) -> dict:
     from nvfp4_train.precision.megatron_linear import set_weight_cache
 
@@ -174,10 +182,7 @@ def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight:
     timer.sync()
     e0 = timer.mark()
     for _ in range(iters):
-        x.grad = None
-        layer.weight.grad = None
-        y, _ = layer(x)
-        y.backward(dy)
+        fwd_bwd(layer, x, dy)
     e1 = timer.mark()
     timer.sync()
     return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "ms": statistics.median(tot),
@@ -186,7 +191,8 @@ def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight:
 
 def profile_one(layer, x, dy, iters: int = 3) -> list[dict]:
     """GPU kernels of ``iters`` forward + backward iterations (torch.profiler): name, calls and self device
-    time per iteration, largest first (on CPU: the ops' self CPU time). Where an NVFP4 layer's time goes (GEMMs vs quantize vs dequantize)."""
+    time per iteration, largest first (on CPU: the ops' self CPU time): where an NVFP4 layer's time goes
+    (GEMMs, quantize, dequantize)."""
     from torch.profiler import ProfilerActivity, profile
 
     from nvfp4_train.precision.megatron_linear import set_weight_cache
@@ -195,10 +201,7 @@ def profile_one(layer, x, dy, iters: int = 3) -> list[dict]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(iters):
-            x.grad = None
-            layer.weight.grad = None
-            y, _ = layer(x)
-            y.backward(dy)
+            fwd_bwd(layer, x, dy)
         if x.is_cuda:
             torch.cuda.synchronize()
     rows = []

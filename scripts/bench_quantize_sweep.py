@@ -82,6 +82,20 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
 
 
+def checked(name: str, check, failures: list[str]) -> bool:
+    """Run ``check()`` (True when the variant's bits equal the reference's); a variant that differs or does not
+    compile is recorded in ``failures`` and reported, and must not stop the others."""
+    try:
+        ok = check()
+    except Exception as e:
+        ok = False
+        print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if not ok:
+        failures.append(name)
+        print(f"  CHECK FAILED {name}", flush=True)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ks", type=int, nargs="*", default=[5120, 10240, 20480])
@@ -117,14 +131,7 @@ def main() -> int:
                                                             amax_cfg=acfg, **cfg, **kw, **amax_kw)
 
                     name = f"K={K} {mode} {label} {'amax given' if given else 'full'}"
-                    try:
-                        ok = same(fn(), ref)
-                    except Exception as e:  # a config that does not compile must not stop the others
-                        ok = False
-                        print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    if not ok:
-                        failures.append(name)
-                        print(f"  CHECK FAILED {name}", flush=True)
+                    if not checked(name, lambda fn=fn: same(fn(), ref), failures):
                         continue
                     nbytes = (2 * n if given else 4 * n) + writes
                     jobs.append(dict(K=K, mode=mode, variant=label, amax_given=given, fn=fn, nbytes=nbytes))
@@ -136,14 +143,7 @@ def main() -> int:
                 return amax_triton(x, True, design=design, **acfg)
 
             name = f"K={K} amax pass {label}"
-            try:
-                ok = torch.equal(afn(), ref_am)
-            except Exception as e:
-                ok = False
-                print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            if not ok:
-                failures.append(name)
-                print(f"  CHECK FAILED {name}", flush=True)
+            if not checked(name, lambda afn=afn: torch.equal(afn(), ref_am), failures):
                 continue
             jobs.append(dict(K=K, mode="amax only", variant=label, amax_given=False, fn=afn, nbytes=2 * n))
     torch.cuda.synchronize()

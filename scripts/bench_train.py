@@ -146,10 +146,6 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
                bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t, tokens_per_s=tps,
                tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
                peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30)
-    del model
-    if optimizer:
-        del ddp, opt
-    gc.collect()
     return res
 
 
