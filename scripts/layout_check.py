@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
-"""Multi-GPU check: the same training continues identically under another parallel layout, and throughput
-per layout. For each layout in ``--layouts`` (e.g. ``1 tp2 pp2 dp2``):
+"""Multi-GPU check: the same training continues identically under other parallel layouts, a checkpoint saved
+under one layout resumes under another, and tokens/s per layout (scaling from 1 GPU to the world size).
 
 1. The reference: ``train.py`` on one process for ``--steps`` steps, saving a checkpoint at ``--save-at``.
-2. Every other layout resumes that checkpoint (``checkpoint.resume=<step dir>``) under torchrun with its
-   TP/PP/DP and trains to ``--steps``: its per-step losses after the checkpoint are compared with the
-   reference's (megatron reshards the model; the data order comes from the consumed samples).
-3. Tokens/s of each layout over its steps after the checkpoint (from ``metrics.jsonl``).
+2. Every other layout resumes a checkpoint (``checkpoint.resume=<step dir>``) under torchrun with its TP/PP/DP
+   (and sequence parallelism) and trains to ``--steps``; its per-step losses are compared with the
+   reference's (megatron reshards the model and the optimizer state; the data order follows the consumed
+   samples). ``NAME`` resumes the reference's step ``--save-at``; ``NAME:FROM`` resumes the checkpoint that
+   layout ``FROM`` saved at step ``--save-at2`` (``FROM`` must come earlier in ``--layouts``), i.e. a
+   checkpoint written under one multi-GPU layout continues under another.
+3. Tokens/s of each layout: the median over its steps after resuming, without the first (it warms up).
 
-A layout is ``1`` (one process), ``tpN``, ``ppN``, ``dpN`` or a combination such as ``tp2pp2``; the world
-size is the product. Extra Hydra overrides after ``--`` go to every run.
+A layout is ``1`` (one process) or tpN / ppN / dpN parts with an optional ``sp`` (sequence parallelism, with
+TP), e.g. ``tp2``, ``tp2sp``, ``tp2pp2``; the world size is the product. Extra Hydra overrides after ``--`` go
+to every run. The global batch is the same for every layout (DP divides the gradient-accumulation steps), so
+tokens/s across layouts is strong scaling.
 
-    python3 scripts/layout_check.py --out runs/layout --layouts 1 tp2 pp2 dp2 -- model=small precision=nvfp4
+    python3 scripts/layout_check.py --out runs/layout --layouts 1 tp2 pp2 dp2:tp2 -- model=small precision=nvfp4
 """
 
 from __future__ import annotations
@@ -21,27 +26,81 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def parse_layout(text: str) -> dict[str, int]:
-    if text == "1":
-        return {"tp": 1, "pp": 1, "dp": 1}
-    parts = dict(re.findall(r"(tp|pp|dp)(\d+)", text))
-    if not parts or "".join(f"{k}{v}" for k, v in re.findall(r"(tp|pp|dp)(\d+)", text)) != text:
-        raise ValueError(f"layout {text!r}: use '1' or tpN/ppN/dpN parts, e.g. tp2pp2")
-    return {k: int(parts.get(k, 1)) for k in ("tp", "pp", "dp")}
+_PART = re.compile(r"(tp|pp|dp)(\d+)|(sp)")
 
 
-def run(cmd: list[str], log: Path, env: dict) -> int:
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sp: bool = False
+    resume_from: str | None = None  # another layout's name; None: the reference checkpoint
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def parse_layout(text: str) -> Layout:
+    """``1``, or tpN/ppN/dpN parts and an optional ``sp``, optionally ``:FROM``."""
+    name, _, src = text.partition(":")
+    if name == "1":
+        if src:
+            raise ValueError(f"layout {text!r}: the one-process reference resumes nothing")
+        return Layout("1")
+    parts = list(_PART.finditer(name))
+    if not parts or "".join(m.group(0) for m in parts) != name:
+        raise ValueError(f"layout {text!r}: use '1' or tpN/ppN/dpN parts with an optional 'sp', e.g. tp2sp "
+                         f"or tp2pp2, optionally ':FROM' (resume layout FROM's checkpoint)")
+    sizes = {m.group(1): int(m.group(2)) for m in parts if m.group(1)}
+    sp = any(m.group(3) for m in parts)
+    if any(v < 1 for v in sizes.values()):
+        raise ValueError(f"layout {text!r}: sizes must be >= 1")
+    if sp and sizes.get("tp", 1) < 2:
+        raise ValueError(f"layout {text!r}: sequence parallelism ('sp') needs tp >= 2")
+    lay = Layout(name, sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("dp", 1), sp, src or None)
+    if lay.world == 1:
+        raise ValueError(f"layout {text!r} has one process: that is the reference, '1'")
+    return lay
+
+
+def run(cmd: list[str], log: Path, env: dict, timeout: float) -> int:
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
     with open(log, "w") as f:
-        return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        try:
+            return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return -9
+
+
+def tokens_per_s(recs: list[dict]) -> float:
+    vals = [r["tokens_per_s"] for r in recs[1:] if r.get("tokens_per_s")]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def compare(recs: list[dict], ref: dict[int, dict]) -> dict:
+    """Largest relative loss and grad-norm differences to the reference over the same steps."""
+    missing = [r["step"] for r in recs if r["step"] not in ref]
+    if missing or not recs:
+        return dict(error=f"steps {missing or 'none'} have no reference")
+    rel = max(abs(r["loss"] - ref[r["step"]]["loss"]) / abs(ref[r["step"]]["loss"]) for r in recs)
+    gn = [abs(r["grad_norm"] - ref[r["step"]]["grad_norm"]) / abs(ref[r["step"]]["grad_norm"])
+          for r in recs if r.get("grad_norm") and ref[r["step"]].get("grad_norm")]
+    return dict(max_rel=rel, max_rel_grad_norm=max(gn) if gn else float("nan"),
+                losses=[(r["step"], r["loss"], ref[r["step"]]["loss"]) for r in recs])
 
 
 def main() -> int:
@@ -52,65 +111,95 @@ def main() -> int:
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--layouts", nargs="+", default=["1", "tp2", "pp2", "dp2"])
+    ap.add_argument("--layouts", nargs="+", default=["1", "tp2", "pp2", "dp2:tp2"])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--save-at", type=int, default=10)
+    ap.add_argument("--save-at", type=int, default=8, help="the reference's checkpoint every layout resumes")
+    ap.add_argument("--save-at2", type=int, help="the step at which layouts save the checkpoints that "
+                    "'NAME:FROM' layouts resume (default: halfway between --save-at and --steps)")
     ap.add_argument("--rtol", type=float, default=1e-2,
-                    help="relative loss difference allowed per step (TP/DP change bf16 summation orders)")
+                    help="relative loss difference allowed per step (TP/DP change bf16 summation orders; "
+                         "stochastic rounding draws per local shard)")
+    ap.add_argument("--run-timeout", type=float, default=1800, help="seconds per training run")
+    ap.add_argument("--keep-checkpoints", action="store_true")
     a = ap.parse_args(argv)
     from nvfp4_train.metrics import load_metrics
 
+    layouts = [parse_layout(t) for t in a.layouts]
+    if layouts[0].name != "1" or any(lay.name == "1" for lay in layouts[1:]):
+        ap.error("the first layout must be the reference '1' (and only the first)")
+    names = [lay.name for lay in layouts]
+    for i, lay in enumerate(layouts):
+        if lay.resume_from is not None and lay.resume_from not in names[1:i]:
+            ap.error(f"layout {lay.name}:{lay.resume_from}: {lay.resume_from} must be an earlier multi-process "
+                     f"layout")
+    save2 = a.save_at2 if a.save_at2 is not None else (a.save_at + a.steps) // 2
+    if not 0 < a.save_at < save2 < a.steps:
+        ap.error(f"need 0 < --save-at ({a.save_at}) < --save-at2 ({save2}) < --steps ({a.steps})")
+    sources = {lay.resume_from for lay in layouts if lay.resume_from}
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = [f"schedule.train_steps={a.steps}", "logging.wandb=disabled", "logging.tensorboard=false",
-              "logging.progress=lines", *extra]
-    ref_dir = a.out / "ref_1"
+              "logging.progress=lines", "checkpoint.save_at_end=false", *extra]
+    ref_dir = a.out / "1"
     ref_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
     rc = run([sys.executable, "train.py", *common, f"checkpoint.interval={a.save_at}",
-              f"experiment.run_dir={ref_dir}", "experiment.name=ref_1"], ref_dir / "stdout.log", env)
+              f"experiment.run_dir={ref_dir}", "experiment.name=layout_1"], ref_dir / "stdout.log", env,
+             a.run_timeout)
     if rc != 0:
         print(f"reference run failed ({rc}); see {ref_dir / 'stdout.log'}")
         return 1
-    ckpt = ref_dir / "checkpoints" / f"step_{a.save_at:07d}"
-    ref = {r["step"]: r for r in load_metrics(ref_dir)}
-    results = []
+    ref_recs = load_metrics(ref_dir)
+    ref = {r["step"]: r for r in ref_recs}
+    results = [dict(layout="1", gpus=1, resumed="-", max_rel=0.0, max_rel_grad_norm=0.0,
+                    tokens_per_s=tokens_per_s([r for r in ref_recs if r["step"] > a.save_at]),
+                    wall_s=time.time() - t0)]
+    print(f"layout 1: {results[0]['tokens_per_s']:,.0f} tokens/s", flush=True)
     ok = True
-    for text in a.layouts:
-        lay = parse_layout(text)
-        world = lay["tp"] * lay["pp"] * lay["dp"]
-        if world == 1:
-            recs = [ref[s] for s in sorted(ref) if s > a.save_at]
-            results.append(dict(layout=text, world=1, max_rel=0.0, tokens_per_s=_tps(recs)))
-            continue
-        d = a.out / text
+    for lay in layouts[1:]:
+        d = a.out / lay.name
         d.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "train.py", *common, f"parallel.tp={lay['tp']}", f"parallel.pp={lay['pp']}",
-               f"checkpoint.resume={ckpt}", "checkpoint.interval=0", f"experiment.run_dir={d}",
-               f"experiment.name={text}"]
-        rc = run(cmd, d / "stdout.log", env)
+        if lay.resume_from:
+            ckpt, start, resumed = a.out / lay.resume_from / "checkpoints" / f"step_{save2:07d}", save2, \
+                f"{lay.resume_from} @ {save2}"
+        else:
+            ckpt, start, resumed = ref_dir / "checkpoints" / f"step_{a.save_at:07d}", a.save_at, f"1 @ {a.save_at}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={lay.world}",
+               "train.py", *common, f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}",
+               f"parallel.sequence_parallel={str(lay.sp).lower()}", f"checkpoint.resume={ckpt}",
+               f"checkpoint.interval={save2 if lay.name in sources else 0}", f"experiment.run_dir={d}",
+               f"experiment.name=layout_{lay.name}"]
+        t0 = time.time()
+        rc = run(cmd, d / "stdout.log", env, a.run_timeout)
+        row = dict(layout=lay.name, gpus=lay.world, resumed=resumed, wall_s=time.time() - t0)
         if rc != 0:
-            results.append(dict(layout=text, world=world, error=f"exit {rc}, see {d / 'stdout.log'}"))
-            ok = False
-            continue
-        recs = [r for r in load_metrics(d) if r["step"] > a.save_at]
-        rel = max(abs(r["loss"] - ref[r["step"]]["loss"]) / abs(ref[r["step"]]["loss"]) for r in recs)
-        ok &= rel <= a.rtol
-        results.append(dict(layout=text, world=world, max_rel=rel, tokens_per_s=_tps(recs),
-                            losses=[(r["step"], r["loss"], ref[r["step"]]["loss"]) for r in recs]))
+            row["error"] = f"exit {rc}, see {d / 'stdout.log'}"
+        else:
+            recs = [r for r in load_metrics(d) if r["step"] > start]
+            row.update(compare(recs, ref), tokens_per_s=tokens_per_s(recs))
+        ok &= "error" not in row and row["max_rel"] <= a.rtol
+        results.append(row)
+        print(f"layout {lay.name}: " + (row.get("error") or
+              f"max rel loss diff {row['max_rel']:.2e}, {row['tokens_per_s']:,.0f} tokens/s"), flush=True)
+        (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
+    if not a.keep_checkpoints:
+        import shutil
+
+        for lay in layouts:
+            shutil.rmtree(a.out / lay.name / "checkpoints", ignore_errors=True)
     (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
-    print("| layout | GPUs | max rel. loss diff vs 1 GPU (steps after resume) | tokens/s |")
-    print("|---|---|---|---|")
+    base = results[0]["tokens_per_s"]
+    print("\n| layout | GPUs | resumed from | max rel. loss diff vs 1 GPU | max rel. grad-norm diff | tokens/s "
+          "| vs 1 GPU |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['layout']} | {r['world']} | {r['error']} | |")
+            print(f"| {r['layout']} | {r['gpus']} | {r['resumed']} | {r['error']} | | | |")
         else:
-            print(f"| {r['layout']} | {r['world']} | {r['max_rel']:.2e} | {r['tokens_per_s']:,.0f} |")
+            print(f"| {r['layout']} | {r['gpus']} | {r['resumed']} | {r['max_rel']:.2e} | "
+                  f"{r['max_rel_grad_norm']:.2e} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}× |")
+    print(f"\nall layouts within rtol {a.rtol}: {ok}")
     return 0 if ok else 1
-
-
-def _tps(recs: list[dict]) -> float:
-    vals = [r["tokens_per_s"] for r in recs[1:] if r.get("tokens_per_s")]  # the first step after start warms up
-    return sum(vals) / len(vals) if vals else float("nan")
 
 
 if __name__ == "__main__":

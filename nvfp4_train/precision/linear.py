@@ -28,21 +28,34 @@ import torch.nn.functional as F
 from nvfp4_train.precision.operand import Operand, cast_pair, operand_nbytes, qgemm
 from nvfp4_train.precision.recipe import QuantRecipe
 
-__all__ = ["QuantLinearFunction", "quantized_linear", "WeightCache", "LinearContext"]
+__all__ = ["QuantLinearFunction", "quantized_linear", "WeightCache", "LinearContext", "pad_weight"]
+
+
+def pad_weight(weight: torch.Tensor, pad: tuple[int, int]) -> torch.Tensor:
+    """``weight`` (N, K) zero-padded to (N + pad[0], K + pad[1]) (itself when there is nothing to pad)."""
+    pn, pk = pad
+    return F.pad(weight, (0, pk, 0, pn)) if (pn or pk) else weight
 
 
 @dataclass
 class WeightCache:
-    """The quantized copies of one weight, valid while the weight's version counter is unchanged."""
+    """The quantized copies of one weight, valid while the weight's version counter is unchanged.
+
+    The key is the PARAMETER (its storage, version, shape), never a padded copy of it: a padded copy is a new
+    tensor at every call, and whether the allocator reuses its address differs between ranks, so a key on it
+    would hit on one tensor-parallel rank and miss on another, and the miss's amax all-reduce would wait
+    forever for the rank that hit. Padding happens on a miss, inside the cache."""
 
     key: tuple | None = None
     row: Operand | None = None
     col: Operand | None = None
 
-    def get(self, weight: torch.Tensor, recipe: QuantRecipe, seed: int, amax_group) -> tuple[Operand, Operand]:
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), recipe)
+    def get(self, weight: torch.Tensor, recipe: QuantRecipe, seed: int, amax_group,
+            pad: tuple[int, int] = (0, 0)) -> tuple[Operand, Operand]:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), pad, recipe)
         if key != self.key:
-            self.row, self.col = cast_pair(weight.detach(), recipe.fprop.b, recipe.dgrad.b, seed, amax_group)
+            w = pad_weight(weight.detach(), pad)
+            self.row, self.col = cast_pair(w, recipe.fprop.b, recipe.dgrad.b, seed, amax_group)
             self.key = key
         return self.row, self.col
 
@@ -58,6 +71,9 @@ class LinearContext:
     recipe: QuantRecipe
     seed: int = 0
     amax_group: dist.ProcessGroup | None = None
+    # zeros appended to the weight's (rows, columns) so both are multiples of the recipe's blocks; the input
+    # arrives padded by the caller (see quantized_linear)
+    weight_pad: tuple[int, int] = (0, 0)
     weight_cache: WeightCache = field(default_factory=WeightCache)
     calls: int = 0
     saved_bytes: int = 0  # bytes saved for backward by the last forward (for memory accounting)
@@ -76,14 +92,14 @@ class QuantLinearFunction(torch.autograd.Function):
         recipe = lctx.recipe
         x2 = x.reshape(-1, x.shape[-1])
         seed = lctx.next_seed()
-        w_row, w_col = lctx.weight_cache.get(weight, recipe, seed, lctx.amax_group)
+        w_row, w_col = lctx.weight_cache.get(weight, recipe, seed, lctx.amax_group, lctx.weight_pad)
         need_col_x = weight.requires_grad
         x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, seed + 2,
                                  lctx.amax_group)
         tel = lctx.telemetry
         if tel is not None:
             tel.record("fprop.x", x2, recipe.fprop.a, x_row)
-            tel.record("fprop.W", weight.detach(), recipe.fprop.b, w_row)
+            tel.record("fprop.W", pad_weight(weight.detach(), lctx.weight_pad), recipe.fprop.b, w_row)
             if x_col is not None:
                 tel.record("wgrad.x_col", x2.t(), recipe.wgrad.b, x_col)
         y = qgemm(x_row, w_row, out_dtype=x.dtype)
@@ -97,6 +113,7 @@ class QuantLinearFunction(torch.autograd.Function):
         ctx.x_col = x_col
         ctx.w_col = w_col
         ctx.weight_dtype = weight.dtype
+        ctx.weight_shape = weight.shape
         lctx.saved_bytes = operand_nbytes(x_col)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -121,6 +138,9 @@ class QuantLinearFunction(torch.autograd.Function):
             dx = qgemm(dy_row, ctx.w_col, out_dtype=dy.dtype).view(ctx.x_shape)
         if need_dw:
             dw = qgemm(dy_col, ctx.x_col, out_dtype=ctx.weight_dtype)
+            n, k = ctx.weight_shape
+            if dw.shape != (n, k):  # a padded weight: its gradient is the unpadded block
+                dw = dw[:n, :k]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         ctx.x_col = ctx.w_col = None
@@ -130,7 +150,10 @@ class QuantLinearFunction(torch.autograd.Function):
 def quantized_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext
 ) -> torch.Tensor:
-    """``y = x Wᵀ (+ b)`` under ``lctx.recipe``; an all-bf16 recipe is exactly ``F.linear``."""
+    """``y = x Wᵀ (+ b)`` under ``lctx.recipe``; an all-bf16 recipe is exactly ``F.linear``.
+
+    With ``lctx.weight_pad = (pn, pk)`` the weight is used as if zero-padded to (N + pn, K + pk): ``x`` must
+    then have K + pk columns (padded by the caller) and the result has N + pn columns."""
     if lctx.recipe.is_bf16:
         return F.linear(x, weight, bias)
     return QuantLinearFunction.apply(x, weight, bias, lctx)

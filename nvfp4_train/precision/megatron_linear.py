@@ -221,12 +221,13 @@ class _QuantLayer:
         if not self.weight_cache_enabled:
             self.lctx.weight_cache.clear()
         pn, pk = self._pad
+        self.lctx.weight_pad = (pn, pk)
         if not (pn or pk):
             return quantized_linear(x, weight, bias, self.lctx)
-        # a dim that is not a multiple of its block: zero-pad it to the next multiple (see recipe_padding)
+        # a dim that is not a multiple of its block: zero-pad it to the next multiple (see recipe_padding); the
+        # weight is padded inside the layer's weight cache, so a cached weight is not padded again
         n = weight.shape[0]
         x = torch.nn.functional.pad(x, (0, pk))
-        weight = torch.nn.functional.pad(weight, (0, pk, 0, pn))
         bias = None if bias is None else torch.nn.functional.pad(bias, (0, pn))
         return quantized_linear(x, weight, bias, self.lctx)[..., :n]
 

@@ -14,8 +14,10 @@ from kernels.nvfp4.reference import dequantize_nvfp4_ref, quantize_nvfp4_ref
 from nvfp4_train.precision.megatron_linear import (
     QuantColumnParallelLinear,
     QuantRowParallelLinear,
+    invalidate_weight_caches,
     recipe_padding,
     recipe_shape_problems,
+    set_weight_cache,
     token_block,
 )
 from nvfp4_train.precision.recipe import BF16, Ablations, apply_ablations, named_recipe
@@ -179,6 +181,45 @@ def test_odd_shapes_are_zero_padded_exactly(gen, recipe, n, k, pads):
         big.weight[:n, :k] = layer.weight
     y_big = big(torch.nn.functional.pad(x, (0, 128)))[0][..., :n]
     assert torch.equal(y, y_big)
+
+
+def test_padded_layer_weight_cache_hits_and_keeps_gradients(gen, monkeypatch):
+    """A padded layer with the weight cache on quantizes its weight once per optimizer step, whatever the
+    allocator does: the cache is keyed on the parameter, not on a padded copy (a key on the copy's address hit
+    on some tensor-parallel ranks and missed on others, and the miss's amax all-reduce then hung, seen with
+    TP=2 during validation). Forward and gradients equal those of the uncached layer bitwise."""
+    import nvfp4_train.precision.linear as lin
+
+    r = named_recipe("nvfp4")
+    n, k = 40, 64
+    assert recipe_padding(r, n, k) == (8, 0)
+    layer = column(QuantColumnParallelLinear, k, n, config(), recipe=r, layer_name="7.mlp.fc1")
+    x = torch.randn(2, 16, k, generator=gen).bfloat16()
+    dy = torch.randn(2, 16, n, generator=gen).bfloat16()
+
+    def fwd_bwd():
+        xi = x.clone().requires_grad_(True)
+        layer.weight.grad = None
+        layer.lctx.calls = 0  # the same stochastic-rounding draws of dy at every call
+        y = layer(xi)[0]
+        y.backward(dy)
+        return y.detach(), xi.grad, layer.weight.grad.clone()
+
+    ref = fwd_bwd()  # cache off: the weight is quantized at every call
+    weight_casts = []
+    real = lin.cast_pair
+    monkeypatch.setattr(lin, "cast_pair", lambda t, *a, **kw: (weight_casts.append(t.shape) if t.shape == (
+        n + 8, k) else None) or real(t, *a, **kw))
+    set_weight_cache(layer, True)
+    # padded copies made between the calls: the allocator may hand their addresses around
+    outs = [fwd_bwd() for _ in range(3) if torch.zeros(n + 8, k).sum() == 0]
+    assert len(weight_casts) == 1, weight_casts
+    assert layer.weight.grad.shape == (n, k)
+    for got in outs:
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    invalidate_weight_caches(layer)
+    fwd_bwd()
+    assert len(weight_casts) == 2
 
 
 def test_shape_rules():
