@@ -121,6 +121,8 @@ def main() -> int:
                          "stochastic rounding draws per local shard)")
     ap.add_argument("--run-timeout", type=float, default=1800, help="seconds per training run")
     ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--ckpt-root", type=Path, help="write each layout's checkpoints under this folder instead of "
+                    "its run folder (e.g. /dev/shm: a 1.2B checkpoint with its optimizer state is ~17 GB)")
     a = ap.parse_args(argv)
     from nvfp4_train.metrics import load_metrics
 
@@ -136,6 +138,10 @@ def main() -> int:
     if not 0 < a.save_at < save2 < a.steps:
         ap.error(f"need 0 < --save-at ({a.save_at}) < --save-at2 ({save2}) < --steps ({a.steps})")
     sources = {lay.resume_from for lay in layouts if lay.resume_from}
+    ckpt_root = a.ckpt_root if a.ckpt_root is not None else a.out
+
+    def ckpt_dir(name: str) -> Path:
+        return ckpt_root / name / "checkpoints"
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = [f"schedule.train_steps={a.steps}", "logging.wandb=disabled", "logging.tensorboard=false",
@@ -144,8 +150,8 @@ def main() -> int:
     ref_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rc = run([sys.executable, "train.py", *common, f"checkpoint.interval={a.save_at}",
-              f"experiment.run_dir={ref_dir}", "experiment.name=layout_1"], ref_dir / "stdout.log", env,
-             a.run_timeout)
+              f"checkpoint.dir={ckpt_dir('1')}", f"experiment.run_dir={ref_dir}", "experiment.name=layout_1"],
+             ref_dir / "stdout.log", env, a.run_timeout)
     if rc != 0:
         print(f"reference run failed ({rc}); see {ref_dir / 'stdout.log'}")
         return 1
@@ -154,20 +160,22 @@ def main() -> int:
     results = [dict(layout="1", gpus=1, resumed="-", max_rel=0.0, max_rel_grad_norm=0.0,
                     tokens_per_s=tokens_per_s([r for r in ref_recs if r["step"] > a.save_at]),
                     wall_s=time.time() - t0)]
-    print(f"layout 1: {results[0]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    print(f"layout 1: {results[0]['tokens_per_s']:,.0f} tokens/s, {results[0]['wall_s']:.0f} s", flush=True)
+    (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     ok = True
     for lay in layouts[1:]:
         d = a.out / lay.name
         d.mkdir(parents=True, exist_ok=True)
         if lay.resume_from:
-            ckpt, start, resumed = a.out / lay.resume_from / "checkpoints" / f"step_{save2:07d}", save2, \
+            ckpt, start, resumed = ckpt_dir(lay.resume_from) / f"step_{save2:07d}", save2, \
                 f"{lay.resume_from} @ {save2}"
         else:
-            ckpt, start, resumed = ref_dir / "checkpoints" / f"step_{a.save_at:07d}", a.save_at, f"1 @ {a.save_at}"
+            ckpt, start, resumed = ckpt_dir("1") / f"step_{a.save_at:07d}", a.save_at, f"1 @ {a.save_at}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={lay.world}",
                "train.py", *common, f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}",
                f"parallel.sequence_parallel={str(lay.sp).lower()}", f"checkpoint.resume={ckpt}",
-               f"checkpoint.interval={save2 if lay.name in sources else 0}", f"experiment.run_dir={d}",
+               f"checkpoint.interval={save2 if lay.name in sources else 0}", f"checkpoint.dir={ckpt_dir(lay.name)}",
+               f"experiment.run_dir={d}",
                f"experiment.name=layout_{lay.name}"]
         t0 = time.time()
         rc = run(cmd, d / "stdout.log", env, a.run_timeout)
@@ -180,13 +188,14 @@ def main() -> int:
         ok &= "error" not in row and row["max_rel"] <= a.rtol
         results.append(row)
         print(f"layout {lay.name}: " + (row.get("error") or
-              f"max rel loss diff {row['max_rel']:.2e}, {row['tokens_per_s']:,.0f} tokens/s"), flush=True)
+              f"max rel loss diff {row['max_rel']:.2e}, {row['tokens_per_s']:,.0f} tokens/s")
+              + f", {row['wall_s']:.0f} s", flush=True)
         (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     if not a.keep_checkpoints:
         import shutil
 
         for lay in layouts:
-            shutil.rmtree(a.out / lay.name / "checkpoints", ignore_errors=True)
+            shutil.rmtree(ckpt_dir(lay.name), ignore_errors=True)
     (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     base = results[0]["tokens_per_s"]
     print("\n| layout | GPUs | resumed from | max rel. loss diff vs 1 GPU | max rel. grad-norm diff | tokens/s "

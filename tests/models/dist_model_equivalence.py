@@ -2,7 +2,10 @@
 ``torchrun --nproc_per_node 2``; not a pytest module).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/models/dist_model_equivalence.py \
-        --layout tp|tp_sp|pp --recipe bf16|nvfp4 --dtype fp32|bf16 --out DIR
+        --layout tp|tp_sp|pp[,...] --recipe bf16|nvfp4 --dtype fp32|bf16 --out DIR [--model tiny|small|...]
+
+With CUDA it runs on one GPU per rank over NCCL (the multi-GPU check of issue 8), else on CPU over gloo.
+Several comma-separated layouts are each compared with the one reference (``losses_<layout>.pt``).
 
 1. Reference: TP=1, PP=1 (the two ranks are data-parallel replicas). Build the model from a seed and save
    it with megatron's distributed checkpointing (``sharded_state_dict``); run a fixed batch forward and
@@ -45,7 +48,7 @@ def run_layout(args, tp: int, pp: int, sp: bool, ckpt: Path, save: bool) -> tupl
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    mc = model_config("tiny").replace(vocab_size=512)
+    mc = model_config(args.model).replace(vocab_size=args.vocab)
     lm = LayerPrecisionMap(mc.pattern, args.recipe, keep_first=0, keep_last=0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     cfg = transformer_config(mc, tp=tp, pp=pp, sequence_parallel=sp, params_dtype=dtype)
@@ -57,8 +60,8 @@ def run_layout(args, tp: int, pp: int, sp: bool, ckpt: Path, save: bool) -> tupl
         state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt))
         model.load_state_dict(state)
     g = torch.Generator().manual_seed(99)
-    ids = torch.randint(0, mc.vocab_size, (args.batch, args.seq), generator=g)
-    pos = torch.arange(args.seq)[None].expand(args.batch, args.seq)
+    ids = torch.randint(0, mc.vocab_size, (args.batch, args.seq), generator=g).to(args.device)
+    pos = torch.arange(args.seq, device=args.device)[None].expand(args.batch, args.seq)
     losses = []
 
     def step(_it, m):
@@ -96,15 +99,27 @@ def run_layout(args, tp: int, pp: int, sp: bool, ckpt: Path, save: bool) -> tupl
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", choices=["tp", "tp_sp", "pp"], required=True)
+    ap.add_argument("--layout", required=True, help="tp, tp_sp, pp, or several comma-separated")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--recipe", default="bf16")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    enable_cpu_compat()
-    dist.init_process_group("gloo")
+    layouts = args.layout.split(",")
+    shapes = {"tp": (2, 1, False), "tp_sp": (2, 1, True), "pp": (1, 2, False)}
+    if any(lay not in shapes for lay in layouts):
+        ap.error(f"--layout {args.layout!r}: each layout is one of {sorted(shapes)}")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        args.device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl")
+    else:
+        enable_cpu_compat()
+        args.device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     ckpt = args.out / "ckpt"
     if rank == 0:
@@ -112,13 +127,17 @@ def main() -> None:
     dist.barrier()
     ref = run_layout(args, 1, 1, False, ckpt, save=True)
     dist.barrier()
-    tp, pp, sp = {"tp": (2, 1, False), "tp_sp": (2, 1, True), "pp": (1, 2, False)}[args.layout]
-    got = run_layout(args, tp, pp, sp, ckpt, save=False)
-    # the last pipeline stage (rank 1 under PP=2, every rank otherwise) holds the losses
-    holder = 1 if pp == 2 else 0
-    if rank == holder:
-        torch.save({"ref": ref, "got": got}, args.out / "losses.pt")
-    dist.barrier()
+    for lay in layouts:
+        tp, pp, sp = shapes[lay]
+        got = run_layout(args, tp, pp, sp, ckpt, save=False)
+        # the last pipeline stage (rank 1 under PP=2, every rank otherwise) holds the losses
+        holder = 1 if pp == 2 else 0
+        if rank == holder:
+            result = {"ref": tuple(t.cpu() for t in ref), "got": tuple(t.cpu() for t in got)}
+            torch.save(result, args.out / f"losses_{lay}.pt")
+            if len(layouts) == 1:
+                torch.save(result, args.out / "losses.pt")
+        dist.barrier()
     dist.destroy_process_group()
 
 
