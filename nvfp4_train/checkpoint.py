@@ -11,9 +11,10 @@ Layout of ``<checkpoint dir>`` (default ``<run_dir>/checkpoints``)::
         manifest.json         size and sha256 of every file above: written LAST
     latest                    the name of the newest complete checkpoint (replaced atomically)
 
-Saving (all ranks): write everything into ``.tmp_step_0000100/``, hash the files (spread over the ranks),
-write ``manifest.json`` (via a temporary name and ``os.replace``), rename the directory to ``step_0000100``,
-replace ``latest``, delete all but the newest ``keep_last``. A crash at any point leaves the previous
+Saving (all ranks): write everything into ``.tmp_step_0000100/``, hash the files (spread over the ranks, and
+within a rank over threads, one whole file each), write ``manifest.json`` (via a temporary name and
+``os.replace``), rename the directory to ``step_0000100``, replace ``latest``, delete all but the newest
+``keep_last``. A crash at any point leaves the previous
 checkpoints and ``latest`` untouched (a stale ``.tmp_*`` is removed by the next save).
 
 Loading verifies the manifest first (every file present, sizes and, by default, sha256) and names the first
@@ -39,7 +40,9 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,26 +145,54 @@ def _files_of(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+_HASH_BUFFER = 1 << 22  # bytes read per hashlib update (it releases the GIL for buffers over 2 KiB)
+
+
+def _default_hash_threads() -> int:
+    """The CPUs this process may run on (a Slurm or taskset mask, not the whole host), at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
+        while chunk := f.read(_HASH_BUFFER):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _hash_spread(directory: Path, files: list[str], *, checksums: bool) -> dict[str, dict]:
+def _entry(path: Path, checksums: bool) -> dict:
+    entry = {"size": path.stat().st_size}
+    if checksums:
+        entry["sha256"] = _sha256(path)
+    return entry
+
+
+def _hash_spread(directory: Path, files: list[str], *, checksums: bool,
+                 threads: int | None = None) -> dict[str, dict]:
     """{file: {size, sha256}}; with a process group rank r hashes files r, r + world, ... and all ranks get
-    the union."""
+    the union. Each rank hashes its files in up to ``threads`` threads (default: its CPUs, at most 8),
+    one whole file per thread (hashlib releases the GIL while it hashes), so the checksums are those of a
+    sequential pass."""
     dist = _dist()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-    mine = {}
-    for name in files[rank::world]:
-        p = directory / name
-        entry = {"size": p.stat().st_size}
-        if checksums:
-            entry["sha256"] = _sha256(p)
-        mine[name] = entry
+    names = files[rank::world]
+    threads = _default_hash_threads() if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"hash threads={threads} must be >= 1")
+    workers = min(threads, len(names)) if checksums else 1
+    if workers <= 1:
+        mine = {name: _entry(directory / name, checksums) for name in names}
+    else:
+        # the largest first: the pool's finish time is then close to (total bytes / workers)
+        order = sorted(names, key=lambda n: -(directory / n).stat().st_size)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-sha256") as pool:
+            got = dict(zip(order, pool.map(lambda n: _entry(directory / n, checksums), order)))
+        mine = {name: got[name] for name in names}
     if dist is None:
         return mine
     gathered = [None] * world
@@ -194,9 +225,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: str | os.PathLike, *, step: int, meta: dict) -> dict:
-    """Hash every file of ``directory`` (collective when a process group exists) and, on rank 0, write
-    ``manifest.json``. Returns the manifest."""
+def write_manifest(directory: str | os.PathLike, *, step: int, meta: dict, threads: int | None = None) -> dict:
+    """Hash every file of ``directory`` (collective when a process group exists; ``threads`` hashing threads
+    per rank, default: its CPUs, at most 8) and, on rank 0, write ``manifest.json``. Returns the
+    manifest."""
     directory = Path(directory)
     dist = _dist()
     files = _files_of(directory) if (dist is None or dist.get_rank() == 0) else None
@@ -204,7 +236,7 @@ def write_manifest(directory: str | os.PathLike, *, step: int, meta: dict) -> di
         box = [files]
         dist.broadcast_object_list(box, src=0)
         files = box[0]
-    entries = _hash_spread(directory, files, checksums=True)
+    entries = _hash_spread(directory, files, checksums=True, threads=threads)
     manifest = {"format": FORMAT, "step": step, "files": {k: entries[k] for k in files}, "meta": meta}
     if dist is None or dist.get_rank() == 0:
         _write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
@@ -225,9 +257,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return manifest
 
 
-def verify_checkpoint(directory: str | os.PathLike, *, checksums: bool = True) -> list[str]:
+def verify_checkpoint(directory: str | os.PathLike, *, checksums: bool = True,
+                      threads: int | None = None) -> list[str]:
     """Problems of a checkpoint directory (empty: good): no manifest, a missing file, a wrong size or
-    checksum, each naming the file. Collective when a process group exists (the hashing is spread)."""
+    checksum, each naming the file. Collective when a process group exists (the hashing is spread; and over
+    ``threads`` threads per rank, as in :func:`write_manifest`)."""
     directory = Path(directory)
     dist = _dist()
     problems: list[str] = []
@@ -261,7 +295,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, checksums: bool = True) -
         problems, present = box[0]
     if problems or not checksums:
         return problems
-    got = _hash_spread(directory, present, checksums=True)
+    got = _hash_spread(directory, present, checksums=True, threads=threads)
     for name in present:
         if got[name]["sha256"] != expected[name].get("sha256"):
             problems.append(f"{directory / name}: sha256 {got[name]['sha256'][:12]}… differs from the manifest's "
@@ -417,6 +451,20 @@ def set_rng_state(state: dict) -> None:
 # Save / load of a training state (megatron)
 
 
+class _PhaseClock:
+    """Adds the seconds since the previous lap to ``timings[name]`` (does nothing without a dict)."""
+
+    def __init__(self, timings: dict[str, float] | None) -> None:
+        self.timings = timings
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.timings is not None:
+            now = time.perf_counter()
+            self.timings[name] = self.timings.get(name, 0.0) + now - self.t
+            self.t = now
+
+
 def _barrier() -> None:
     dist = _dist()
     if dist is not None:
@@ -554,13 +602,18 @@ def start_checkpoint_writer() -> None:
 
 def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, trainer_state: dict, config_yaml: str,
                     meta: dict, keep_last: int, optim_format: str = "fully_reshardable",
-                    rank_extra: dict | None = None) -> Path:
+                    rank_extra: dict | None = None, timings: dict[str, float] | None = None,
+                    hash_threads: int | None = None) -> Path:
     """Save a training state as ``root/step_XXXXXXX`` (collective: every rank calls it). See the module
     docstring for the order that keeps the previous checkpoints safe. ``rank_extra`` is saved with this
-    rank's RNG states (e.g. the quantized layers' stochastic-rounding counters)."""
+    rank's RNG states (e.g. the quantized layers' stochastic-rounding counters). ``timings``, when given,
+    receives this rank's seconds per phase (``prepare``, ``sharded_state``, ``dist_save``, ``rng_trainer``,
+    ``manifest``, ``commit``; a phase ends with the barrier that follows it). ``hash_threads``: see
+    :func:`write_manifest`."""
     import torch
     from megatron.core import dist_checkpointing
 
+    clock = _PhaseClock(timings)
     root = Path(root)
     rank = _rank()
     tmp = root / f".tmp_{step_dir_name(step)}"
@@ -570,31 +623,42 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
         (tmp / "dist").mkdir(parents=True)
         (tmp / "rng").mkdir()
     _barrier()
-    dist_checkpointing.save(_sharded_state(ddp, optimizer, is_loading=False, optim_format=optim_format),
-                            str(tmp / "dist"))
+    clock.lap("prepare")
+    state = _sharded_state(ddp, optimizer, is_loading=False, optim_format=optim_format)
+    clock.lap("sharded_state")
+    dist_checkpointing.save(state, str(tmp / "dist"))
+    del state
+    clock.lap("dist_save")
     torch.save({**rng_state(), "extra": rank_extra or {}}, tmp / "rng" / f"rank_{rank:05d}.pt")
     meta = {**meta, "optim_format": optim_format}
     if rank == 0:
         _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
         _write_atomic(tmp / "config.yaml", config_yaml)
     _barrier()
-    write_manifest(tmp, step=step, meta=meta)
+    clock.lap("rng_trainer")
+    write_manifest(tmp, step=step, meta=meta, threads=hash_threads)
     _barrier()
+    clock.lap("manifest")
     final = root / step_dir_name(step)
     if rank == 0:
         final = commit_checkpoint(tmp, root, step)
         prune_checkpoints(root, keep_last)
     _barrier()
+    clock.lap("commit")
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, model_config: dict) -> dict:
+def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, model_config: dict,
+                    timings: dict[str, float] | None = None) -> dict:
     """Load a verified checkpoint into ``ddp`` and ``optimizer``; restore this rank's RNG states when the
     parallel layout is the same. Returns the trainer state (with ``resharded`` set when TP/PP differ, and this
-    rank's ``rank_extra`` when the layout is the same, else None)."""
+    rank's ``rank_extra`` when the layout is the same, else None). ``timings``, when given, receives this
+    rank's seconds per phase (``prepare``, ``sharded_state``, ``dist_load``, ``model_load``, ``optim_load``,
+    ``rng``)."""
     import torch
     from megatron.core import dist_checkpointing
 
+    clock = _PhaseClock(timings)
     path = Path(path)
     manifest = read_manifest(path)
     meta = manifest.get("meta", {})
@@ -609,17 +673,27 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     saved_layout = meta.get("layout", {})
     same_model_layout = (saved_layout.get("tp"), saved_layout.get("pp")) == (layout["tp"], layout["pp"])
     optim_format = meta.get("optim_format", "dp_reshardable")
+    clock.lap("prepare")
     if same_model_layout or optim_format == "fully_reshardable":
         _init_optimizer_state(optimizer)
-        state = dist_checkpointing.load(_sharded_state(ddp, optimizer, is_loading=True, optim_format=optim_format),
-                                        str(path / "dist"))
+        sharded = _sharded_state(ddp, optimizer, is_loading=True, optim_format=optim_format)
+        clock.lap("sharded_state")
+        state = dist_checkpointing.load(sharded, str(path / "dist"))
+        del sharded
+        clock.lap("dist_load")
         ddp.module.load_state_dict(state["model"])
+        clock.lap("model_load")
         _load_optimizer_state(optimizer, state["optimizer"], optim_format)
+        clock.lap("optim_load")
     else:
         model_sd = ddp.module.sharded_state_dict()
+        clock.lap("sharded_state")
         state = dist_checkpointing.load({"model": model_sd}, str(path / "dist"))
+        clock.lap("dist_load")
         ddp.module.load_state_dict(state["model"])
+        clock.lap("model_load")
         optimizer.reload_model_params()
+        clock.lap("optim_load")
         if _rank() == 0:
             warnings.warn(
                 f"checkpoint {path} was saved with tp={saved_layout.get('tp')}, pp={saved_layout.get('pp')} and a "
@@ -636,4 +710,5 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     elif _rank() == 0:
         warnings.warn(f"checkpoint {path}: parallel layout {saved_layout} differs from this run's {layout}; RNG "
                       f"states are not restored (the run continues from its seeds)", stacklevel=2)
+    clock.lap("rng")
     return trainer_state

@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,19 +51,9 @@ CASES = {
 
 
 def _init_dist() -> None:
-    import torch.distributed as dist
+    from nvfp4_train.parallel.setup import init_single_process
 
-    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
-
-    enable_cpu_compat()
-    if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(), "store")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"file://{store}",
-                                rank=0, world_size=1)
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+    init_single_process()
 
 
 def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True) -> dict:

@@ -27,6 +27,18 @@ def test_bench_train_quick(tmp_path):
     assert "| tiny | nvfp4 |" in p.stdout
 
 
+def test_bench_checkpoint_tiny(tmp_path):
+    out, root = tmp_path / "ckpt.json", tmp_path / "ckpts"
+    p = _run(["scripts/bench_checkpoint.py", "--model", "tiny", "--out", str(root), "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["bytes"] > 0
+    assert {"sharded_state", "dist_save", "manifest", "commit", "total"} <= set(res["save"])
+    assert {"verify", "dist_load", "optim_load", "total"} <= set(res["load"])
+    assert "| manifest |" in p.stdout and "| dist_load |" in p.stdout
+    assert not root.exists()  # removed at the end without --keep
+
+
 def test_convergence_dry_run_lists_every_run():
     p = _run(["scripts/convergence.py", "--dry-run", "--steps", "7", "--", "model=tiny"])
     assert p.returncode == 0, p.stderr[-2000:]

@@ -18,7 +18,8 @@ import random
 import socket
 from dataclasses import dataclass
 
-__all__ = ["ParallelConfig", "ParallelState", "setup_parallel", "teardown_parallel", "seed_everything"]
+__all__ = ["ParallelConfig", "ParallelState", "setup_parallel", "teardown_parallel", "seed_everything",
+           "init_single_process"]
 
 
 @dataclass(kw_only=True)
@@ -154,3 +155,24 @@ def teardown_parallel(state: ParallelState | None) -> None:
     ps.destroy_model_parallel()
     if state is not None and state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def init_single_process() -> None:
+    """One process, world size 1, TP = PP = 1 (benchmarks and tools that build megatron models outside
+    ``train.py``): nccl with CUDA, gloo with the CPU compatibility layer otherwise; a file store in a fresh
+    temporary directory, so no port is needed. Does nothing that is already initialised."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()  # a no-op with CUDA
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"file://{store}",
+                                rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)

@@ -5,12 +5,14 @@ Simulated crashes at each point must leave the previous checkpoint usable and be
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
 
+import nvfp4_train.checkpoint as ckpt
 from nvfp4_train.checkpoint import (
     CheckpointError,
     commit_checkpoint,
@@ -144,3 +146,50 @@ def test_model_mismatch_names_fields():
     current = {"name": "tiny", "hidden_size": 128, "num_layers": 8, "mamba_chunk_size": 32}
     assert model_mismatch(saved, current) == ["hidden_size: checkpoint 256, this run 128"]
     assert model_mismatch(saved, dict(saved, name="renamed")) == []
+
+
+def _many_files(d: Path) -> dict[str, bytes]:
+    """Files of several sizes (empty, below, at and above the patched read buffer), in nested folders."""
+    sizes = [0, 1, 999, 1000, 1001, 4096, 25_000, 77_777, 3, 1000 * 7]
+    contents = {}
+    for i, n in enumerate(sizes):
+        name = f"dist/__0_{i}.distcp" if i % 3 else f"rng/rank_{i:05d}.pt"
+        contents[name] = os.urandom(n)
+    for name, data in contents.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data)
+    return contents
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2, 4, 64])
+def test_threaded_manifest_equals_a_sequential_hash(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(ckpt, "_HASH_BUFFER", 1000)  # many reads per file, partial last reads
+    contents = _many_files(tmp_path)
+    manifest = write_manifest(tmp_path, step=5, meta={"k": 1}, threads=threads)
+    expected = {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                for name, data in sorted(contents.items())}
+    assert manifest["files"] == expected
+    assert list(manifest["files"]) == sorted(contents)  # the order of the file list, not of the threads
+    assert json.loads((tmp_path / "manifest.json").read_text())["files"] == expected
+    assert verify_checkpoint(tmp_path, threads=threads) == []
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threaded_verify_names_each_corrupt_file(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(ckpt, "_HASH_BUFFER", 1000)
+    _many_files(tmp_path)
+    write_manifest(tmp_path, step=5, meta={}, threads=threads)
+    for name, pos in (("dist/__0_7.distcp", 77_000), ("rng/rank_00006.pt", 0)):
+        f = tmp_path / name
+        data = bytearray(f.read_bytes())
+        data[pos] ^= 0x80
+        f.write_bytes(bytes(data))
+    problems = verify_checkpoint(tmp_path, threads=threads)
+    assert len(problems) == 2
+    assert "__0_7.distcp: sha256" in problems[0] and "rank_00006.pt: sha256" in problems[1]
+
+
+def test_hash_threads_must_be_positive(tmp_path):
+    _many_files(tmp_path)
+    with pytest.raises(ValueError, match="hash threads=0"):
+        write_manifest(tmp_path, step=1, meta={}, threads=0)
