@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,3 +48,42 @@ def test_convergence_dry_run_lists_every_run():
     assert len(lines) == 8
     assert all("schedule.train_steps=7" in line and "model=tiny" in line for line in lines)
     assert any("precision.ablations.rht=false" in line for line in lines)
+
+
+def test_layout_check_parses_layouts():
+    from scripts.layout_check import Layout, parse_layout
+
+    assert parse_layout("1") == Layout("1")
+    assert parse_layout("tp2sp") == Layout("tp2sp", tp=2, sp=True)
+    assert parse_layout("tp2pp2dp2:tp2") == Layout("tp2pp2dp2", tp=2, pp=2, dp=2, resume_from="tp2")
+    assert parse_layout("pp4").world == 4
+    for bad, msg in [("tp", "tpN/ppN/dpN"), ("dp2sp", "needs tp >= 2"), ("1:tp2", "resumes nothing"),
+                     ("tp1", "one process"), ("tp2x", "tpN/ppN/dpN")]:
+        try:
+            parse_layout(bad)
+        except ValueError as e:
+            assert msg in str(e), (bad, str(e))
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    # a layout resuming one that does not come before it: refused before anything runs
+    p = _run(["scripts/layout_check.py", "--out", "unused", "--layouts", "1", "dp2:tp2", "tp2"], timeout=60)
+    assert p.returncode == 2 and "tp2 must be an earlier multi-process layout" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.dist
+def test_layout_check_two_ranks_follow_the_reference(tmp_path):
+    """The whole script on two gloo ranks (GPTModel stand-in): TP=2 resumes the one-process checkpoint, DP=2
+    resumes TP=2's, and both follow the reference's losses (bf16 recipe: reassociation only)."""
+    from tests.trainer.runs import TINY
+
+    out = tmp_path / "layout"
+    p = _run(["scripts/layout_check.py", "--out", str(out), "--layouts", "1", "tp2", "dp2:tp2", "--steps", "5",
+              "--save-at", "2", "--save-at2", "3", "--rtol", "1e-3", "--",
+              *[a for a in TINY if not a.startswith(("schedule.train_steps", "checkpoint.interval"))]], timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads((out / "layout_check.json").read_text())}
+    assert rows["tp2"]["resumed"] == "1 @ 2" and rows["dp2"]["resumed"] == "tp2 @ 3"
+    assert [s for s, _, _ in rows["tp2"]["losses"]] == [3, 4, 5]
+    assert [s for s, _, _ in rows["dp2"]["losses"]] == [4, 5]
+    assert all(r["max_rel"] <= 1e-3 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert not (out / "1" / "checkpoints").exists()  # removed without --keep-checkpoints
