@@ -275,16 +275,9 @@ class _Trainer:
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         self.config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         if path is not None:
-            tstate = load_checkpoint(path, ddp=self.ddp, optimizer=self.optimizer, layout=ps.layout(),
-                                     model_config=dataclasses.asdict(cfg.model))
-            self.step = tstate["step"]
-            if tstate.get("rank_extra"):
-                set_quant_rng_counters(_unwrap(self.ddp), tstate["rank_extra"].get("quant_calls", {}))
-            self.skipped_steps = tstate.get("skipped_steps", 0)
+            tstate = self._load(path)
             self.skipped_samples = tstate.get("skipped_samples", 0)
             self.rollbacks = tstate.get("rollbacks", 0)
-            if tstate.get("spike"):
-                self.spikes.load_state_dict(tstate["spike"])
             if tstate.get("consumed_samples") != self.step * gbs + self.skipped_samples:
                 raise ValueError(f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not "
                                  f"step * global_batch_size + skipped_samples = {self.step} * {gbs} + "
@@ -421,23 +414,30 @@ class _Trainer:
             return None, None
         return self.last_telemetry[0], self.last_telemetry[1][layer]
 
-    def _rollback(self, path) -> tuple[int, int]:
-        """Reload checkpoint ``path`` after a loss spike; the data from its position up to the current one
-        (the window that led to the spike, the spiking step's batch included) is skipped. Returns the
-        window [first, end) in training samples."""
-        gbs = self.cfg.schedule.global_batch_size
-        end = self.step * gbs + self.skipped_samples
+    def _load(self, path) -> dict:
+        """Load checkpoint ``path`` into the model and optimizer and restore what resume and rollback share:
+        the step, this rank's stochastic-rounding counters, the skipped-step count and the spike detector.
+        Returns the trainer state."""
         tstate = load_checkpoint(path, ddp=self.ddp, optimizer=self.optimizer, layout=self.ps.layout(),
                                  model_config=dataclasses.asdict(self.cfg.model))
         self.step = tstate["step"]
         if tstate.get("rank_extra"):
             set_quant_rng_counters(_unwrap(self.ddp), tstate["rank_extra"].get("quant_calls", {}))
         self.skipped_steps = tstate.get("skipped_steps", 0)
-        first = tstate["consumed_samples"]
-        self.skipped_samples = end - self.step * gbs
         self.spikes = SpikeDetector(self.cfg.spike)
         if tstate.get("spike"):
             self.spikes.load_state_dict(tstate["spike"])
+        return tstate
+
+    def _rollback(self, path) -> tuple[int, int]:
+        """Reload checkpoint ``path`` after a loss spike; the data from its position up to the current one
+        (the window that led to the spike, the spiking step's batch included) is skipped. Returns the
+        window [first, end) in training samples."""
+        gbs = self.cfg.schedule.global_batch_size
+        end = self.step * gbs + self.skipped_samples
+        tstate = self._load(path)
+        first = tstate["consumed_samples"]
+        self.skipped_samples = end - self.step * gbs
         self.rollbacks += 1  # not the checkpoint's count: rollbacks are never undone
         _invalidate_weight_caches(_unwrap(self.ddp))  # the weights changed outside an optimizer step
         return first, end

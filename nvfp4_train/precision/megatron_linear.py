@@ -164,9 +164,9 @@ class _QuantLayer:
             raise TypeError(f"layer_name must be a str, got {type(layer_name).__name__}")
         self.layer_name = layer_name
         self._weight_shape = (out_f, in_f)
-        self._pad = recipe_padding(recipe, out_f, in_f)
         group = self.tp_group if get_pg_size(self.tp_group) > 1 else None
-        self.lctx = LinearContext(recipe=recipe, seed=_layer_seed(seed, layer_name), amax_group=group)
+        self.lctx = LinearContext(recipe=recipe, seed=_layer_seed(seed, layer_name), amax_group=group,
+                                  weight_pad=recipe_padding(recipe, out_f, in_f))
         self.quant_telemetry = LayerTelemetry()
         self.weight_cache_enabled = False  # see set_weight_cache
 
@@ -178,7 +178,7 @@ class _QuantLayer:
         """Run ``recipe`` from the next forward on (parameters untouched; the cached weight copies dropped)."""
         if not isinstance(recipe, QuantRecipe):
             raise TypeError(f"layer {self.layer_name!r}: recipe must be a QuantRecipe, got {type(recipe).__name__}")
-        self._pad = recipe_padding(recipe, *self._weight_shape)
+        self.lctx.weight_pad = recipe_padding(recipe, *self._weight_shape)
         self.lctx.recipe = recipe
         self.lctx.weight_cache.clear()
 
@@ -220,8 +220,7 @@ class _QuantLayer:
         self._check_tokens(x)
         if not self.weight_cache_enabled:
             self.lctx.weight_cache.clear()
-        pn, pk = self._pad
-        self.lctx.weight_pad = (pn, pk)
+        pn, pk = self.lctx.weight_pad
         if not (pn or pk):
             return quantized_linear(x, weight, bias, self.lctx)
         # a dim that is not a multiple of its block: zero-pad it to the next multiple (see recipe_padding); the
