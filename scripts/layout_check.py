@@ -11,6 +11,10 @@ under one layout resumes under another, and tokens/s per layout (scaling from 1 
    checkpoint written under one multi-GPU layout continues under another.
 3. Tokens/s of each layout: the median over its steps after resuming, without the first (it warms up).
 
+``--concurrent`` starts every layout whose checkpoint exists at once, in waves (the layouts resuming the reference,
+then those resuming them): the loss check is the same, the tokens/s are not a throughput (the runs share the GPUs),
+and the compile and autotune caches warm up in parallel; a sequential run afterwards measures clean tokens/s.
+
 A layout is ``1`` (one process) or tpN / ppN / dpN parts with an optional ``sp`` (sequence parallelism, with
 TP), e.g. ``tp2``, ``tp2sp``, ``tp2pp2``; the world size is the product. Extra Hydra overrides after ``--`` go
 to every run. The global batch is the same for every layout (DP divides the gradient-accumulation steps), so
@@ -121,6 +125,9 @@ def main() -> int:
                          "stochastic rounding draws per local shard)")
     ap.add_argument("--run-timeout", type=float, default=1800, help="seconds per training run")
     ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="start every layout whose checkpoint exists at once (waves); losses are checked, tokens/s "
+                         "are not a throughput (shared GPUs)")
     ap.add_argument("--ckpt-root", type=Path, help="write each layout's checkpoints under this folder instead of "
                     "its run folder (e.g. /dev/shm: a 1.2B checkpoint with its optimizer state is ~17 GB)")
     a = ap.parse_args(argv)
@@ -163,34 +170,65 @@ def main() -> int:
     print(f"layout 1: {results[0]['tokens_per_s']:,.0f} tokens/s, {results[0]['wall_s']:.0f} s", flush=True)
     (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     ok = True
-    for lay in layouts[1:]:
+
+    def launch(lay: Layout) -> tuple[subprocess.Popen, object, float]:
         d = a.out / lay.name
         d.mkdir(parents=True, exist_ok=True)
-        if lay.resume_from:
-            ckpt, start, resumed = ckpt_dir(lay.resume_from) / f"step_{save2:07d}", save2, \
-                f"{lay.resume_from} @ {save2}"
-        else:
-            ckpt, start, resumed = ckpt_dir("1") / f"step_{a.save_at:07d}", a.save_at, f"1 @ {a.save_at}"
+        ckpt = (ckpt_dir(lay.resume_from) / f"step_{save2:07d}" if lay.resume_from
+                else ckpt_dir("1") / f"step_{a.save_at:07d}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={lay.world}",
                "train.py", *common, f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}",
                f"parallel.sequence_parallel={str(lay.sp).lower()}", f"checkpoint.resume={ckpt}",
                f"checkpoint.interval={save2 if lay.name in sources else 0}", f"checkpoint.dir={ckpt_dir(lay.name)}",
                f"experiment.run_dir={d}",
                f"experiment.name=layout_{lay.name}"]
-        t0 = time.time()
-        rc = run(cmd, d / "stdout.log", env, a.run_timeout)
-        row = dict(layout=lay.name, gpus=lay.world, resumed=resumed, wall_s=time.time() - t0)
+        print(" ".join(shlex.quote(c) for c in cmd), flush=True)
+        log = open(d / "stdout.log", "w")
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return proc, log, time.time()
+
+    def finish(lay: Layout, proc: subprocess.Popen, log, t_start: float, deadline: float) -> dict:
+        try:
+            rc = proc.wait(timeout=max(deadline - time.time(), 0.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = -9
+        log.close()
+        d = a.out / lay.name
+        start = save2 if lay.resume_from else a.save_at
+        resumed = f"{lay.resume_from} @ {save2}" if lay.resume_from else f"1 @ {a.save_at}"
+        row = dict(layout=lay.name, gpus=lay.world, resumed=resumed, wall_s=time.time() - t_start,
+                   shared_gpus=a.concurrent)
         if rc != 0:
             row["error"] = f"exit {rc}, see {d / 'stdout.log'}"
         else:
             recs = [r for r in load_metrics(d) if r["step"] > start]
             row.update(compare(recs, ref), tokens_per_s=tokens_per_s(recs))
-        ok &= "error" not in row and row["max_rel"] <= a.rtol
-        results.append(row)
-        print(f"layout {lay.name}: " + (row.get("error") or
-              f"max rel loss diff {row['max_rel']:.2e}, {row['tokens_per_s']:,.0f} tokens/s")
-              + f", {row['wall_s']:.0f} s", flush=True)
-        (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
+        return row
+
+    # sequential: one run at a time (tokens/s are clean). --concurrent: every layout whose checkpoint exists
+    # starts at once, in waves (layouts resuming the reference, then those resuming them, ...): the losses are
+    # still checked, the tokens/s are not a throughput (the runs share the GPUs), and compile/autotune caches
+    # warm up in parallel.
+    pending = list(layouts[1:])
+    done: set[str] = set()
+    while pending:
+        if a.concurrent:
+            wave = [lay for lay in pending if lay.resume_from is None or lay.resume_from in done]
+        else:
+            wave = pending[:1]
+        pending = [lay for lay in pending if lay not in wave]
+        running = [(lay, *launch(lay)) for lay in wave]
+        for lay, proc, log, t_start in running:
+            row = finish(lay, proc, log, t_start, t_start + a.run_timeout)
+            done.add(lay.name)
+            ok &= "error" not in row and row["max_rel"] <= a.rtol
+            results.append(row)
+            print(f"layout {lay.name}: " + (row.get("error") or
+                  f"max rel loss diff {row['max_rel']:.2e}, {row['tokens_per_s']:,.0f} tokens/s")
+                  + f", {row['wall_s']:.0f} s", flush=True)
+            (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     if not a.keep_checkpoints:
         import shutil
 
@@ -198,6 +236,8 @@ def main() -> int:
             shutil.rmtree(ckpt_dir(lay.name), ignore_errors=True)
     (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     base = results[0]["tokens_per_s"]
+    if a.concurrent:
+        print("\n(--concurrent: the layouts shared the GPUs; their tokens/s are not a throughput)")
     print("\n| layout | GPUs | resumed from | max rel. loss diff vs 1 GPU | max rel. grad-norm diff | tokens/s "
           "| vs 1 GPU |")
     print("|---|---|---|---|---|---|---|")

@@ -87,3 +87,23 @@ def test_layout_check_two_ranks_follow_the_reference(tmp_path):
     assert [s for s, _, _ in rows["dp2"]["losses"]] == [4, 5]
     assert all(r["max_rel"] <= 1e-3 and r["tokens_per_s"] > 0 for r in rows.values())
     assert not (out / "1" / "checkpoints").exists()  # removed without --keep-checkpoints
+
+
+@pytest.mark.dist
+def test_layout_check_concurrent_waves(tmp_path):
+    """--concurrent: TP=2 and PP=2 resume the reference at once (four gloo processes), then DP=2 resumes PP=2's
+    checkpoint in the second wave; every layout follows the reference and the rows say the GPUs were shared."""
+    from tests.trainer.runs import TINY
+
+    out = tmp_path / "layout"
+    p = _run(["scripts/layout_check.py", "--out", str(out), "--layouts", "1", "tp2", "pp2", "dp2:pp2", "--steps",
+              "5", "--save-at", "2", "--save-at2", "3", "--rtol", "1e-3", "--concurrent", "--",
+              *[a for a in TINY if not a.startswith(("schedule.train_steps", "checkpoint.interval"))]], timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads((out / "layout_check.json").read_text())}
+    assert list(rows) == ["1", "tp2", "pp2", "dp2"]
+    assert rows["pp2"]["resumed"] == "1 @ 2" and rows["dp2"]["resumed"] == "pp2 @ 3"
+    assert [s for s, _, _ in rows["dp2"]["losses"]] == [4, 5]
+    assert all(r["max_rel"] <= 1e-3 for r in rows.values())
+    assert all(rows[k]["shared_gpus"] for k in ("tp2", "pp2", "dp2"))
+    assert "not a throughput" in p.stdout
