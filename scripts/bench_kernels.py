@@ -5,9 +5,12 @@ For M = 8192 tokens and (K, N) of each 12B linear layer, it prints markdown tabl
   * GEMM TFLOP/s: cuBLAS BF16 (``torch.matmul``), FP8 ``torch._scaled_mm`` tensorwise (scales on device),
     our NVFP4 GEMM (fused dequant, default settings and its variants: bf16 dot, split nibbles, folded 2^14),
     the pre-dequantized design (dequantize both operands to 16 bits, then the Triton 16-bit GEMM; total and
-    GEMM-only), our MXFP4 GEMM, and the naive PyTorch emulation (reference quantize of both operands on the
-    GPU + dequantize + bf16 matmul); ratios ours/cuBLAS, ours/FP8 and the speed-up over the naive emulation
-    (GEMM alone, and with our Triton quantizers included: quantize x + quantize W (2-D) + GEMM).
+    GEMM-only), the same design with the "cublas" engine (dequantize both to bf16, cuBLAS GEMM with fp32
+    output, then the Triton alpha pass; total, and the cuBLAS-fp32 + alpha part alone from bf16 operands,
+    and the alpha pass alone; not measured on the GPU yet), our MXFP4 GEMM, and the naive PyTorch emulation
+    (reference quantize of both operands on the GPU + dequantize + bf16 matmul); ratios ours/cuBLAS, ours/FP8
+    and the speed-up over the naive emulation (GEMM alone, and with our Triton quantizers included: quantize
+    x + quantize W (2-D) + GEMM).
   * NVFP4 quantize throughput of ``quantize_nvfp4_rowcol(x, col_rht=True, ...)`` for x [8192, K] bf16 (the
     two copies a linear layer needs): GB/s counting the bytes actually moved (two reads of x, the amax pass
     and the quantize pass, plus the writes), "effective" GB/s (one read + writes), both as a fraction of the
@@ -28,6 +31,7 @@ Usage (on the GPU machine, from the repo root)::
     python3 scripts/bench_kernels.py --quick            # 2 shapes, fewer reps
     python3 scripts/bench_kernels.py --sweep            # also time every CANDIDATE_CONFIGS entry per shape
     python3 scripts/bench_kernels.py --quantize-only    # only the quantizer table (K of all 6 shapes)
+    python3 scripts/bench_kernels.py --gemm-only        # only the GEMM tables (no quantizer table)
     TRITON_INTERPRET=1 python3 scripts/bench_kernels.py --dry-run   # CPU smoke test of this script's logic
 """
 
@@ -62,9 +66,11 @@ from kernels.nvfp4 import (  # noqa: E402
 from kernels.nvfp4.gemm import (  # noqa: E402
     CANDIDATE_CONFIGS,
     dequantize_nvfp4_blockwise_triton,
+    gemm_alpha_cublas,
     gemm_alpha_triton,
     nvfp4_gemm_predequant,
     nvfp4_gemm_triton,
+    scale_alpha_triton,
 )
 from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha  # noqa: E402
 
@@ -297,6 +303,42 @@ class Run:
             except Exception as e:
                 self.failures.append(f"predequant {dot} setup: {e}")
 
+        # the "cublas" engine of the same design: total (dequantize both to bf16 + cuBLAS fp32 out + alpha
+        # pass), the cuBLAS-fp32 + alpha part alone from bf16 operands, and the alpha pass alone
+        row["cublas-engine total_ms"] = self.measure(
+            "NVFP4 predequant cublas engine",
+            lambda qa, qb: nvfp4_gemm_predequant(qa, qb, torch.bfloat16, engine="cublas"), chk, sets)
+        try:
+            da = dequantize_nvfp4_blockwise_triton(a, torch.bfloat16)
+            db = dequantize_nvfp4_blockwise_triton(b, torch.bfloat16)
+            alpha = nvfp4_alpha(a.amax, b.amax).reshape(1)
+            n16 = T.n_copies((da.numel() + db.numel()) * 2)
+            sets16 = [(da, db)] + [(da.clone(), db.clone()) for _ in range(n16 - 1)]
+
+            def chk_same_as_fp32(c, p=da, q=db):
+                # the bound, and bf16 out = RNE of the engine's own fp32 out (same accumulator, same alpha
+                # pass: cuBLAS is deterministic for a fixed shape on one GPU)
+                msg = chk(c)
+                if msg is None and not torch.equal(
+                        c.view(torch.int16), gemm_alpha_cublas(p, q, alpha, torch.float32).to(torch.bfloat16)
+                        .view(torch.int16)):
+                    msg = "bf16 output is not the RNE of the fp32 output"
+                return msg
+
+            row["cublas fp32+alpha_ms"] = self.measure(
+                "cuBLAS fp32 + alpha (bf16 operands)",
+                lambda p, q: gemm_alpha_cublas(p, q, alpha, torch.bfloat16), chk_same_as_fp32, sets16)
+            acc = gemm_alpha_cublas(da, db, None, torch.float32)
+            # torch's own fp32 multiply (correctly rounded) and RNE cast, on the whole tensor (no NaN here)
+            ref_b = (acc * alpha).to(torch.bfloat16)
+            row["alpha pass_ms"] = self.measure(
+                "alpha pass (fp32 [M, N] -> bf16)", lambda: scale_alpha_triton(acc, alpha, torch.bfloat16),
+                lambda c: None if torch.equal(c.view(torch.int16), ref_b.view(torch.int16))
+                else "differs from torch's (acc * alpha).to(bfloat16)")
+            del da, db, sets16, acc, ref_b
+        except Exception as e:
+            self.failures.append(f"cublas engine setup: {type(e).__name__}: {e}")
+
         # end to end with our quantizers: quantize x, quantize W (2-D), GEMM
         row["quant+gemm_ms"] = self.measure(
             "quantize x + W + fused GEMM",
@@ -424,24 +466,29 @@ def print_tables(res: dict) -> None:
       "TFLOP/s = 2MNK / median time.\n")
     p("## GEMM TFLOP/s\n")
     p("| GEMM | K | N | cuBLAS BF16 | FP8 tensorwise | NVFP4 fused | fused/cuBLAS | fused/FP8 | predequant total "
-      "| 16-bit GEMM only | MXFP4 | naive emulation ms | ×naive (GEMM) | ×naive (quant+GEMM) |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "| 16-bit GEMM only | cuBLAS-engine total | /cuBLAS | cuBLAS fp32+alpha only | /cuBLAS "
+      "| MXFP4 | naive emulation ms | ×naive (GEMM) | ×naive (quant+GEMM) |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["gemm"]:
         M, K, N = r["M"], r["K"], r["N"]
         t = {k[:-3]: tflops(M, N, K, v) for k, v in r.items() if k.endswith("_ms")}
         best_pre = max((v for k, v in t.items() if k.startswith("predequant") and v is not None), default=None)
         best_16 = max((v for k, v in t.items() if k.startswith("gemm16") and v is not None), default=None)
         fused = t.get("fused fp16")
+        cub_tot, cub_16 = t.get("cublas-engine total"), t.get("cublas fp32+alpha")
         p(f"| {r['gemm']} | {K} | {N} | {fmt(t.get('cublas_bf16'))} | {fmt(t.get('fp8_tensorwise'))} "
           f"| {fmt(fused)} | {fmt(ratio(fused, t.get('cublas_bf16')), '.2f')} "
           f"| {fmt(ratio(fused, t.get('fp8_tensorwise')), '.2f')} | {fmt(best_pre)} | {fmt(best_16)} "
+          f"| {fmt(cub_tot)} | {fmt(ratio(cub_tot, t.get('cublas_bf16')), '.2f')} "
+          f"| {fmt(cub_16)} | {fmt(ratio(cub_16, t.get('cublas_bf16')), '.2f')} "
           f"| {fmt(t.get('mxfp4'))} | {fmt(r.get('naive_ms'), '.2f')} "
           f"| {fmt(ratio(r.get('naive_ms'), r.get('fused fp16_ms')), '.1f')} "
           f"| {fmt(ratio(r.get('naive_ms'), r.get('quant+gemm_ms')), '.1f')} |")
     p("\n## NVFP4 GEMM variants, TFLOP/s (ratio to cuBLAS BF16)\n")
-    keys = [lbl for lbl, _ in FUSED_VARIANTS] + ["predequant fp16", "predequant bf16", "gemm16 fp16", "gemm16 bf16"]
-    p("| GEMM | " + " | ".join(keys) + " | dequant fp16 ms | dequant bf16 ms |")
-    p("|---|" + "---|" * (len(keys) + 2))
+    keys = [lbl for lbl, _ in FUSED_VARIANTS] + ["predequant fp16", "predequant bf16", "gemm16 fp16", "gemm16 bf16",
+                                                 "cublas-engine total", "cublas fp32+alpha"]
+    p("| GEMM | " + " | ".join(keys) + " | dequant fp16 ms | dequant bf16 ms | alpha pass ms |")
+    p("|---|" + "---|" * (len(keys) + 3))
     for r in res["gemm"]:
         M, K, N = r["M"], r["K"], r["N"]
         cub = tflops(M, N, K, r.get("cublas_bf16_ms"))
@@ -450,7 +497,8 @@ def print_tables(res: dict) -> None:
             v = tflops(M, N, K, r.get(f"{k}_ms"))
             cells.append("–" if v is None else f"{v:.0f} ({fmt(ratio(v, cub), '.2f')})")
         p(f"| {r['gemm']} | " + " | ".join(cells)
-          + f" | {fmt(r.get('dequant fp16_ms'), '.3f')} | {fmt(r.get('dequant bf16_ms'), '.3f')} |")
+          + f" | {fmt(r.get('dequant fp16_ms'), '.3f')} | {fmt(r.get('dequant bf16_ms'), '.3f')} "
+          f"| {fmt(r.get('alpha pass_ms'), '.3f')} |")
     p("\n## NVFP4 quantize (x [M, K] bf16 -> rowwise + columnwise RHT copies)\n")
     p("| K | mode | ms | GB/s actual (2 reads) | % copy | GB/s effective (1 read) | % copy | amax given ms "
       "| GB/s (1 read) | % copy |")
@@ -483,6 +531,7 @@ def main(argv=None) -> int:
                     help="CPU smoke test of this script under TRITON_INTERPRET=1 (tiny shapes, no timing value)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing variants")
     ap.add_argument("--quantize-only", action="store_true", help="only the NVFP4 quantize table (no GEMMs)")
+    ap.add_argument("--gemm-only", action="store_true", help="only the GEMM tables (no quantize table)")
     args = ap.parse_args(argv)
 
     if args.dry_run:
@@ -510,7 +559,7 @@ def main(argv=None) -> int:
         res["gemm"].append(run.gemm_row(name, M, K, N))
         if args.sweep:
             res["sweep"][name] = run.sweep(M, K, N)
-    for K in sorted({K for _, K, _ in shapes}):
+    for K in [] if args.gemm_only else sorted({K for _, K, _ in shapes}):
         print(f"[quantize K={K}]", file=sys.stderr, flush=True)
         res["quantize"].extend(run.quant_rows(K, M))
 

@@ -23,16 +23,25 @@ then the totals over the six shapes and the targets: nvfp4 <= 1.3x bf16 time, fp
 <= 0.3x. By default the weight is re-quantized in every iteration (one micro-batch per optimizer step: the
 worst case); ``--reuse-weight`` keeps the cached copies (many micro-batches per step).
 
+``--gemm-engine triton cublas`` measures the nvfp4 recipe once per engine of its GEMM (kernels/nvfp4/gemm.py:
+the Triton 16-bit GEMM with the alpha epilogue, or cuBLAS with fp32 output + a Triton alpha pass), in the same
+run, by setting ``NVFP4_GEMM_ENGINE`` around each measurement; the "GEMM engine" column says which engine each
+nvfp4 row used (default: only the engine in effect, ``$NVFP4_GEMM_ENGINE`` or "triton"). With more than one
+engine the nvfp4 totals are listed as "nvfp4 [engine]". On CPU (``--quick``) the layers run the PyTorch
+reference GEMM whatever the engine.
+
 Usage (repo root)::
 
     python3 scripts/bench_linear.py                     # GPU: the 12B shapes
     python3 scripts/bench_linear.py --json out.json     # also the raw numbers
     python3 scripts/bench_linear.py --quick             # tiny shapes on CPU (a smoke test of this script)
+    python3 scripts/bench_linear.py --recipes nvfp4 --gemm-engine triton cublas   # both NVFP4 GEMM engines
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -49,6 +58,8 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from kernels.nvfp4 import GEMM_ENGINES  # noqa: E402
 
 RECIPES = ("bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4")
 M_TOKENS = 8192
@@ -217,6 +228,34 @@ def profile_one(layer, x, dy, iters: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+@contextlib.contextmanager
+def gemm_engine_env(engine: str | None):
+    """``NVFP4_GEMM_ENGINE=engine`` inside the block (None: unchanged), restored after."""
+    from kernels.nvfp4 import GEMM_ENGINE_ENV
+
+    if engine is None:
+        yield
+        return
+    old = os.environ.get(GEMM_ENGINE_ENV)
+    os.environ[GEMM_ENGINE_ENV] = engine
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(GEMM_ENGINE_ENV, None)
+        else:
+            os.environ[GEMM_ENGINE_ENV] = old
+
+
+# the recipes whose GEMM is kernels.nvfp4.nvfp4_gemm (the engine switch applies to them)
+ENGINE_RECIPES = ("nvfp4",)
+
+
+def row_label(recipe: str, engine: str | None, n_engines: int) -> str:
+    """The key of a (recipe, engine) in the totals: the recipe, or "nvfp4 [cublas]" when several engines ran."""
+    return recipe if engine is None or n_engines == 1 else f"{recipe} [{engine}]"
+
+
 def run(args) -> dict:
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     setup_single_rank(device)
@@ -230,18 +269,22 @@ def run(args) -> dict:
         x = torch.randn(m, 1, k, device=device, generator=g).bfloat16().requires_grad_()
         dy = (torch.randn(m, 1, n, device=device, generator=g) * 1e-3).bfloat16()
         rows, y_ref = [], None
-        for recipe in args.recipes:
-            layer = build_layer(kind, k, n, recipe, device, seed=2)
-            nbytes, y = saved_bytes(layer, x)
-            y = y.detach().float()
-            if recipe == "bf16":
-                y_ref = y
-            rel = (float((y - y_ref).norm() / y_ref.norm()) if y_ref is not None else float("nan"))
-            t = bench_one(layer, x, dy, timer, args.warmup, args.iters, args.reuse_weight)
-            rows.append({"recipe": recipe, **t, "saved_bytes": nbytes, "y_rel_err": rel})
-            if args.profile and recipe in args.profile:
-                rows[-1]["kernels"] = profile_one(layer, x, dy)
-            del layer
+        runs = [(r, e) for r in args.recipes for e in (args.gemm_engine if r in ENGINE_RECIPES else [None])]
+        for recipe, engine in runs:
+            with gemm_engine_env(engine):
+                layer = build_layer(kind, k, n, recipe, device, seed=2)
+                nbytes, y = saved_bytes(layer, x)
+                y = y.detach().float()
+                if recipe == "bf16":
+                    y_ref = y
+                rel = (float((y - y_ref).norm() / y_ref.norm()) if y_ref is not None else float("nan"))
+                t = bench_one(layer, x, dy, timer, args.warmup, args.iters, args.reuse_weight)
+                rows.append({"recipe": recipe, "gemm_engine": engine,
+                             "label": row_label(recipe, engine, len(args.gemm_engine)),
+                             **t, "saved_bytes": nbytes, "y_rel_err": rel})
+                if args.profile and recipe in args.profile:
+                    rows[-1]["kernels"] = profile_one(layer, x, dy)
+                del layer
         base = next((r for r in rows if r["recipe"] == "bf16"), None)
         for r in rows:
             r["time_ratio"] = r["ms"] / base["ms"] if base else None
@@ -251,7 +294,8 @@ def run(args) -> dict:
     return {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "quick": args.quick, "reuse_weight": args.reuse_weight,
-        "warmup": args.warmup, "iters": args.iters, "shapes": results, "totals": totals(results),
+        "warmup": args.warmup, "iters": args.iters, "gemm_engines": args.gemm_engine, "shapes": results,
+        "totals": totals(results),
     }
 
 
@@ -260,7 +304,8 @@ def totals(results: list[dict]) -> dict:
     out: dict[str, dict] = {}
     for res in results:
         for r in res["rows"]:
-            t = out.setdefault(r["recipe"], {"ms": 0.0, "burst_ms": 0.0, "saved_bytes": 0})
+            t = out.setdefault(r["label"], {"recipe": r["recipe"], "gemm_engine": r["gemm_engine"], "ms": 0.0,
+                                            "burst_ms": 0.0, "saved_bytes": 0})
             t["ms"] += r["ms"]
             t["burst_ms"] += r["burst_ms"]
             t["saved_bytes"] += r["saved_bytes"]
@@ -282,41 +327,44 @@ def report(res: dict) -> tuple[str, bool]:
              ""]
     for s in res["shapes"]:
         lines += [f"## {s['shape']} ({s['kind']}): M={s['M']}, K={s['K']} -> N={s['N']}", "",
-                  "| recipe | fwd ms | bwd ms | total ms | x bf16 | back-to-back ms | x bf16 | saved MiB | "
-                  "saved x bf16 | y rel.err |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| recipe | GEMM engine | fwd ms | bwd ms | total ms | x bf16 | back-to-back ms | x bf16 | "
+                  "saved MiB | saved x bf16 | y rel.err |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s["rows"]:
             lines.append(
-                f"| {r['recipe']} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['bwd_ms'], '.3f')} | {fmt(r['ms'], '.3f')} | "
+                f"| {r['recipe']} | {r.get('gemm_engine') or '-'} | {fmt(r['fwd_ms'], '.3f')} | "
+                f"{fmt(r['bwd_ms'], '.3f')} | {fmt(r['ms'], '.3f')} | "
                 f"{fmt(r['time_ratio'], '.2f')} | {fmt(r['burst_ms'], '.3f')} | {fmt(r['burst_ratio'], '.2f')} | "
                 f"{fmt(r['saved_bytes'] / 2**20, '.2f')} | {fmt(r['saved_ratio'], '.3f')} | {fmt(r['y_rel_err'], '.3g')} |")
         lines.append("")
         for r in s["rows"]:
             if r.get("kernels"):
                 total = sum(k["us"] for k in r["kernels"])
-                lines += [f"### {s['shape']}, {r['recipe']}: GPU kernels per fwd+bwd (torch.profiler, "
+                lines += [f"### {s['shape']}, {r['label']}: GPU kernels per fwd+bwd (torch.profiler, "
                           f"{total:.0f} us in all)", "", "| kernel | calls | us | share |", "|---|---:|---:|---:|"]
                 lines += [f"| {k['name'][:90]} | {k['calls']:g} | {k['us']:.1f} | {100 * k['us'] / total:.1f}% |"
                           for k in r["kernels"][:16]]
                 lines.append("")
     lines += ["## all six shapes (summed)", "",
-              "| recipe | total ms | x bf16 | back-to-back ms | x bf16 | saved MiB | saved x bf16 |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+              "| recipe | GEMM engine | total ms | x bf16 | back-to-back ms | x bf16 | saved MiB | saved x bf16 |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, t in res["totals"].items():
-        lines.append(f"| {name} | {fmt(t['ms'], '.3f')} | {fmt(t['time_ratio'], '.2f')} | {fmt(t['burst_ms'], '.3f')} | "
+        lines.append(f"| {name} | {t.get('gemm_engine') or '-'} | {fmt(t['ms'], '.3f')} | "
+                     f"{fmt(t['time_ratio'], '.2f')} | {fmt(t['burst_ms'], '.3f')} | "
                      f"{fmt(t['burst_ratio'], '.2f')} | {fmt(t['saved_bytes'] / 2**20, '.2f')} | "
                      f"{fmt(t['saved_ratio'], '.3f')} |")
     lines += ["", "## targets (summed over the shapes; per shape in the tables above)", ""]
     ok = True
     for (recipe, what), (limit, strict) in TARGETS.items():
-        t = res["totals"].get(recipe)
-        if t is None or t.get(f"{what}_ratio") is None:
-            continue
-        v = t[f"{what}_ratio"]
-        met = v < limit if strict else v <= limit
-        ok &= met
-        lines.append(f"- {recipe} {what} {v:.3f}x bf16 {'<' if strict else '<='} {limit}: "
-                     f"{'met' if met else 'NOT met'}")
+        for name, t in res["totals"].items():  # one line per GEMM engine measured for the recipe
+            if t["recipe"] != recipe or t.get(f"{what}_ratio") is None:
+                continue
+            v = t[f"{what}_ratio"]
+            met = v < limit if strict else v <= limit
+            ok &= met
+            eng = f" (GEMM engine {t['gemm_engine']})" if t.get("gemm_engine") and name == recipe else ""
+            lines.append(f"- {name}{eng} {what} {v:.3f}x bf16 {'<' if strict else '<='} {limit}: "
+                         f"{'met' if met else 'NOT met'}")
     return "\n".join(lines), ok
 
 
@@ -332,7 +380,15 @@ def main(argv=None) -> int:
                     help="also list the GPU kernels of one fwd+bwd per shape for these recipes (torch.profiler)")
     ap.add_argument("--reuse-weight", action="store_true",
                     help="keep the cached quantized weight between iterations (default: re-quantize each time)")
+    ap.add_argument("--gemm-engine", nargs="+", default=None, choices=GEMM_ENGINES,
+                    help="measure the nvfp4 recipe once per NVFP4 GEMM engine, in this run (sets NVFP4_GEMM_ENGINE "
+                         "around each measurement; default: the engine in effect)")
     args = ap.parse_args(argv)
+    if args.gemm_engine is None:
+        from kernels.nvfp4 import gemm_engine
+
+        args.gemm_engine = [gemm_engine()]  # $NVFP4_GEMM_ENGINE, or the default; a bad value fails here
+    args.gemm_engine = list(dict.fromkeys(args.gemm_engine))
     if args.warmup is None:
         args.warmup = 1 if args.quick else 5
     if args.iters is None:

@@ -8,11 +8,14 @@ the pure-PyTorch reference otherwise; both give the same bits):
     dequantize_nvfp4(q)                                    # float32 [M, K]
     row, col = quantize_nvfp4_rowcol(x, ...)               # both copies a linear layer needs, one pass
     nvfp4_gemm(a, b, out_dtype=torch.bfloat16)             # C[M, N] = A[M, K] . B[N, K]^T
+    gemm_engine()                 # the GEMM engine nvfp4_gemm uses now: $NVFP4_GEMM_ENGINE, "triton" if unset
 
 See ``reference.py`` for the exact arithmetic and the non-finite policy.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -40,6 +43,10 @@ __all__ = [
     "quantize_nvfp4_rowcol",
     "dequantize_nvfp4",
     "nvfp4_gemm",
+    "gemm_engine",
+    "GEMM_ENGINE_ENV",
+    "GEMM_ENGINES",
+    "DEFAULT_GEMM_ENGINE",
     "hadamard16_ref",
     "quantize_nvfp4_ref",
     "quantize_nvfp4_rowcol_ref",
@@ -144,15 +151,37 @@ def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
     return dequantize_nvfp4_ref(q)
 
 
+# The engine of the pre-dequantized GEMM that nvfp4_gemm runs (kernels/nvfp4/gemm.py: GEMM_ENGINES), read
+# from the environment at every call: "triton" (the Triton 16-bit GEMM with the alpha epilogue) or "cublas"
+# (cuBLAS with fp32 output, then a Triton alpha pass). Both are exact up to the fp32 summation order.
+GEMM_ENGINE_ENV = "NVFP4_GEMM_ENGINE"
+DEFAULT_GEMM_ENGINE = "triton"
+GEMM_ENGINES = ("triton", "cublas")  # = kernels.nvfp4.gemm.GEMM_ENGINES (not imported here: no triton import)
+
+
+def gemm_engine() -> str:
+    """``$NVFP4_GEMM_ENGINE`` (unset or empty: ``DEFAULT_GEMM_ENGINE``); any other value than the engines
+    is a ValueError naming the variable and the choices."""
+    v = os.environ.get(GEMM_ENGINE_ENV) or DEFAULT_GEMM_ENGINE
+    if v not in GEMM_ENGINES:
+        raise ValueError(f"{GEMM_ENGINE_ENV}={v!r}: the NVFP4 GEMM engine must be one of {GEMM_ENGINES} "
+                         f"(unset: {DEFAULT_GEMM_ENGINE!r})")
+    return v
+
+
 def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """C[M, N] = alpha * A[M, K] . B[N, K]^T with both operands NVFP4 blocked along K."""
+    """C[M, N] = alpha * A[M, K] . B[N, K]^T with both operands NVFP4 blocked along K. On the Triton path the
+    GEMM engine is ``gemm_engine()`` (``$NVFP4_GEMM_ENGINE``, validated on every call, on the reference path
+    too)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
+    engine = gemm_engine()
     if not use_triton(a.codes):
         return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
     # Two exact designs were measured in one run on the H200 (docs/benchmarks.md): dequantizing in the
     # GEMM's registers (nvfp4_gemm_triton) ran at ~30% of cuBLAS BF16, dequantizing each operand once to a
     # 16-bit tensor and running a pipelined 16-bit GEMM with the same alpha epilogue at ~75%: it is the default.
+    # The "cublas" engine of that design (cuBLAS fp32-output GEMM + a Triton alpha pass) is not measured yet.
     from kernels.nvfp4.gemm import nvfp4_gemm_predequant
 
-    return nvfp4_gemm_predequant(a, b, out_dtype=out_dtype)
+    return nvfp4_gemm_predequant(a, b, out_dtype=out_dtype, engine=engine)

@@ -46,6 +46,31 @@ The pre-dequantized design (GPU.md design notes) is here too: ``dequantize_nvfp4
 with the same alpha epilogue; ``nvfp4_gemm_predequant`` chains them. Both designs give the same bits as
 the fused kernel on the GPU (same dot dtype, same k order) and are benchmarked side by side.
 
+A third design, the "cublas" ENGINE of the pre-dequantized path (``nvfp4_gemm_predequant(...,
+engine="cublas")``, ``gemm_alpha_cublas``; ``kernels.nvfp4.nvfp4_gemm`` picks the engine from the
+``NVFP4_GEMM_ENGINE`` environment variable, "triton" by default): the same dequantized operands (bf16 by
+default, exact as above), then ``acc = torch.mm(a, b.t(), out_dtype=torch.float32)`` (cuBLAS, fp32
+accumulation and fp32 output: the raw accumulator, torch >= 2.8), then ONE Triton elementwise pass
+``_alpha_scale_kernel`` that loads alpha from its device pointer and computes ``fl(acc * alpha)`` rounded
+to bf16 by ``_bf16_rne`` (fp32 output: in place). That is the same arithmetic as the Triton epilogue; only
+the fp32 summation order of the accumulation is cuBLAS's (on the GPU the tensor cores again, with cuBLAS's
+own K blocking and possibly split-K), which the tests allow: bit-exact on inputs whose partial sums are
+exact, within the derived bound of the float64 product otherwise. It costs one extra pass over an fp32
+[M, N] tensor (write by cuBLAS, read + write by the alpha pass) against cuBLAS's GEMM speed; it has NOT
+been measured on the GPU yet (``scripts/bench_kernels.py`` and ``scripts/bench_linear.py --gemm-engine``
+measure it next to the Triton engine). Under ``TRITON_INTERPRET=1`` (CPU tensors) ``aten::mm.dtype`` does
+not exist: the accumulator is ``a.float() @ b.float().t()`` (the same exact products, another order), and
+the alpha pass is the same kernel.
+Split-K and 16-bit reductions: torch's ``allow_bf16_reduced_precision_reduction`` /
+``allow_fp16_reduced_precision_reduction`` only let cuBLAS reduce split-K partials in the OUTPUT type when
+that is narrower than the fp32 compute type (cuBLAS's CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
+"forces any reductions ... to use the accumulator type rather than the output type ... where output type
+precision is less than compute type precision"); here the output type IS fp32, so every partial sum is
+fp32 whatever those switches say. ``allow_fp16_accumulation`` makes torch REFUSE fp16 x fp16 -> fp32 (an
+error, not a silent change); bf16 operands are not affected by it. A GPU test with exact partial sums at
+K = 20480 (tests/kernels/test_nvfp4_gemm_cublas.py), run with both reduced-precision switches on, would
+catch a 16-bit reduction if that reading of the documentation were wrong.
+
 The MXFP4 GEMM (``kernels/mxfp4/gemm.py``) launches the same kernel with E8M0 scales over 32 elements and
 no alpha: ``blockscaled_fp4_gemm`` below is the shared launcher.
 """
@@ -314,6 +339,25 @@ def _gemm16_kernel(
     _epilogue(acc, alpha_ptr, c_ptr, pid_m, pid_n, M, N, s_cm, s_cn, HAS_ALPHA, False, OUT_BF16, BM, BN)
 
 
+@triton.jit
+def _alpha_scale_kernel(
+    acc_ptr, alpha_ptr, out_ptr, n,
+    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[i] = round_to_out(fl32(acc[i] * alpha)) over a contiguous fp32 accumulator of n elements: the
+    epilogue of ``_gemm16_kernel`` (same fp32 multiply, same ``_bf16_rne``) as its own pass. ``out`` may be
+    ``acc`` itself (fp32 output): each element is read and written by the same program."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+    if HAS_ALPHA:
+        x = x * tl.load(alpha_ptr)  # fl(acc * alpha): one fp32 rounding
+    if OUT_BF16:
+        tl.store(out_ptr + offs, _bf16_rne(x), mask=mask)
+    else:
+        tl.store(out_ptr + offs, x, mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # configs
 # ----------------------------------------------------------------------------------------------------------
@@ -540,6 +584,30 @@ def dequantize_nvfp4_blockwise_triton(q: NVFP4Tensor, dtype: torch.dtype = torch
     return dequantize_fp4_blockwise_triton(q.codes, q.scales, block=BLOCK, scale_format="e4m3", dtype=dtype)
 
 
+def _check_gemm16_args(
+    name: str, a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype,
+    dtypes: tuple[torch.dtype, ...],
+) -> torch.Tensor | None:
+    """The argument checks of the GEMMs over dequantized operands; returns alpha as a 1-element fp32 tensor
+    (or None)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{name}: A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name}: A and B dtypes differ ({a.dtype}, {b.dtype})")
+    if a.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} takes {names} operands, got {a.dtype}")
+    if b.device != a.device:
+        raise ValueError(f"{name}: A and B must be on the same device, got {a.device} and {b.device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if alpha is not None:
+        alpha = alpha.to(torch.float32).reshape(1).contiguous()
+        if alpha.device != a.device:
+            raise ValueError(f"alpha must be on {a.device}, got {alpha.device}")
+    return alpha
+
+
 def gemm_alpha_triton(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -550,22 +618,11 @@ def gemm_alpha_triton(
 ) -> torch.Tensor:
     """C[M, N] = alpha * A[M, K] @ B[N, K]^T for fp16/bf16 (or fp32) A and B of the same dtype, fp32
     accumulation, ``alpha`` a 1-element fp32 device tensor loaded in the epilogue (None: 1)."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"gemm_alpha_triton: A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"gemm_alpha_triton: A and B dtypes differ ({a.dtype}, {b.dtype})")
-    dot = {v: k for k, v in _DOT_TORCH.items()}.get(a.dtype)
-    if dot is None:
-        raise TypeError(f"gemm_alpha_triton takes float16, bfloat16 or float32 operands, got {a.dtype}")
+    alpha = _check_gemm16_args("gemm_alpha_triton", a, b, alpha, out_dtype, tuple(_DOT_TORCH.values()))
+    dot = {v: k for k, v in _DOT_TORCH.items()}[a.dtype]
     _check_dot_dtype(dot)
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     M, K = a.shape
     N = b.shape[0]
-    if alpha is not None:
-        alpha = alpha.to(torch.float32).reshape(1).contiguous()
-        if alpha.device != a.device:
-            raise ValueError(f"alpha must be on {a.device}, got {alpha.device}")
     cfg = config or (GEMM16_LARGE_CONFIG if (not interpret_mode() and M >= 1024 and N >= 1024)
                      else default_config(M, N, K))
     _check_config(cfg, 16, False)
@@ -583,19 +640,97 @@ def gemm_alpha_triton(
     return c
 
 
+# the GEMM engines of the pre-dequantized design (``engine=`` of nvfp4_gemm_predequant / predequant_fp4_gemm)
+GEMM_ENGINES = ("triton", "cublas")
+# the operand dtypes of the "cublas" engine; the default is bf16 (see gemm_alpha_cublas)
+_CUBLAS_DTYPES = (torch.bfloat16, torch.float16)
+_ALPHA_BLOCK = 4096
+
+
+def check_gemm_engine(engine: str) -> str:
+    if engine not in GEMM_ENGINES:
+        raise ValueError(f"GEMM engine must be one of {GEMM_ENGINES}, got {engine!r}")
+    return engine
+
+
+def scale_alpha_triton(
+    acc: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``round_to_out_dtype(fl32(acc * alpha))`` for an fp32 accumulator ``acc`` (one Triton elementwise pass,
+    alpha a 1-element fp32 DEVICE tensor loaded by the kernel: no host sync; None: 1). bf16 output rounds to
+    nearest even by bits (``_bf16_rne``, the same code as the Triton GEMM's epilogue, so the interpreter and
+    the GPU give the same bits); NaN -> 0x7FC0. For ``out_dtype=torch.float32`` the result is written IN PLACE
+    into ``acc`` (which must then be contiguous) and ``acc`` is returned."""
+    if acc.dtype != torch.float32:
+        raise TypeError(f"scale_alpha_triton: the accumulator must be float32, got {acc.dtype}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if alpha is not None:
+        alpha = alpha.to(torch.float32).reshape(1).contiguous()
+        if alpha.device != acc.device:
+            raise ValueError(f"alpha must be on {acc.device}, got {alpha.device}")
+    if out_dtype == torch.float32:
+        if not acc.is_contiguous():
+            raise ValueError("scale_alpha_triton writes fp32 output in place: acc must be contiguous")
+        if alpha is None:
+            return acc
+        out = acc
+    else:
+        acc = acc.contiguous()
+        out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
+    n = acc.numel()
+    if n == 0:
+        return out
+    grid = (triton.cdiv(n, _ALPHA_BLOCK),)
+    _alpha_scale_kernel[grid](
+        acc, alpha if alpha is not None else acc, out, n,
+        HAS_ALPHA=alpha is not None, OUT_BF16=out_dtype == torch.bfloat16, BLOCK=_ALPHA_BLOCK, num_warps=8,
+    )
+    return out
+
+
+def gemm_alpha_cublas(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    alpha: torch.Tensor | None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The same product as ``gemm_alpha_triton`` by cuBLAS: ``acc = torch.mm(a, b.t(), out_dtype=float32)``
+    (fp32 accumulation AND fp32 output: the raw accumulator), then ``scale_alpha_triton(acc, alpha,
+    out_dtype)`` (in place for fp32 output). A, B: bf16 or fp16 of the same dtype; CUDA tensors, or CPU
+    tensors under ``TRITON_INTERPRET=1``, where ``aten::mm.dtype`` does not exist and the accumulator is
+    ``a.float() @ b.float().t()`` instead (a product of two 16-bit values is exact in fp32 unless it falls
+    below fp32's range, as on the tensor cores; dequantized NVFP4 values, >= 2^-10 in magnitude, never do;
+    only the fp32 summation order differs). Needs torch >= 2.8 on CUDA."""
+    alpha = _check_gemm16_args("gemm_alpha_cublas", a, b, alpha, out_dtype, _CUBLAS_DTYPES)
+    if a.is_cuda:
+        try:
+            acc = torch.mm(a, b.t(), out_dtype=torch.float32)
+        except TypeError as e:  # torch < 2.8: no aten::mm.dtype
+            raise RuntimeError(f"gemm_alpha_cublas needs torch.mm(..., out_dtype=torch.float32) (torch >= 2.8), "
+                               f"torch {torch.__version__}: {e}") from e
+    else:
+        acc = a.float() @ b.float().t()
+    return scale_alpha_triton(acc, alpha, out_dtype)
+
+
 def nvfp4_gemm_predequant(
     a: NVFP4Tensor,
     b: NVFP4Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    dot_dtype: str = "fp16",
+    dot_dtype: str | None = None,
     config: GemmConfig | None = None,
+    engine: str = "triton",
 ) -> torch.Tensor:
     """The same product as ``nvfp4_gemm_triton`` by the other design: dequantize each operand once to a
-    16-bit [., K] tensor (``q * sdec_b``, exact), then a Triton 16-bit GEMM with the alpha epilogue."""
+    16-bit [., K] tensor (``q * sdec_b``, exact), then a 16-bit GEMM with fp32 accumulation and the alpha
+    epilogue. ``engine``: "triton" (``gemm_alpha_triton``; ``dot_dtype`` default "fp16") or "cublas"
+    (``gemm_alpha_cublas``: cuBLAS with fp32 output, then the alpha pass; ``dot_dtype`` default "bf16", the
+    dtype of the dequantized operands, "fp16" or "bf16"; no ``config``)."""
     return predequant_fp4_gemm(
         a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3", alpha=_alpha(a, b),
-        out_dtype=out_dtype, dot_dtype=dot_dtype, config=config, fmt_name="NVFP4",
+        out_dtype=out_dtype, dot_dtype=dot_dtype, config=config, fmt_name="NVFP4", engine=engine,
     )
 
 
@@ -609,15 +744,34 @@ def predequant_fp4_gemm(
     scale_format: str,
     alpha: torch.Tensor | None,
     out_dtype: torch.dtype,
-    dot_dtype: str,
+    dot_dtype: str | None,
     config: GemmConfig | None = None,
     fmt_name: str = "FP4",
+    engine: str = "triton",
 ) -> torch.Tensor:
     """The pre-dequantized design of the NVFP4 and MXFP4 GEMMs (arguments as ``blockscaled_fp4_gemm``): each
-    operand dequantized once to the dot dtype (``q * block_scale``, exact), then ``gemm_alpha_triton``."""
+    operand dequantized once to the dot dtype (``q * block_scale``, exact), then ``gemm_alpha_triton``
+    (``engine="triton"``) or ``gemm_alpha_cublas`` (``engine="cublas"``). ``dot_dtype`` None: "fp16" for
+    the Triton engine, "bf16" for cuBLAS."""
+    check_gemm_engine(engine)
     _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name)
-    _check_dot_dtype(dot_dtype)
+    if engine == "cublas":
+        # bf16 by default: every dequantized NVFP4 value (|v| in [2^-10, 2688], <= 6 significant bits) is
+        # exact in bf16 (8-bit significand, fp32's exponent range), and so is every MXFP4 value (fp16 is
+        # exact for NVFP4 too, but not for E8M0 scales); bf16 inputs are also outside the reach of torch's
+        # allow_fp16_accumulation switch. The products are then exact in the fp32 accumulator.
+        dot_dtype = dot_dtype or "bf16"
+        if dot_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"{fmt_name} GEMM engine 'cublas' takes 16-bit operands: dot_dtype 'bf16' or "
+                             f"'fp16', got {dot_dtype!r}")
+        if config is not None:
+            raise ValueError(f"{fmt_name} GEMM: config is a Triton tile config; engine 'cublas' takes none")
+    else:
+        dot_dtype = dot_dtype or "fp16"
+        _check_dot_dtype(dot_dtype)
     da, db = (dequantize_fp4_blockwise_triton(c, sc, block=block, scale_format=scale_format,
                                               dtype=_DOT_TORCH[dot_dtype])
               for c, sc in ((a_codes, a_scales), (b_codes, b_scales)))
+    if engine == "cublas":
+        return gemm_alpha_cublas(da, db, alpha, out_dtype)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)
