@@ -599,12 +599,19 @@ def _check_gemm16_args(
         raise TypeError(f"{name} takes {names} operands, got {a.dtype}")
     if b.device != a.device:
         raise ValueError(f"{name}: A and B must be on the same device, got {a.device} and {b.device}")
+    return _check_out_and_alpha(out_dtype, alpha, a.device)
+
+
+def _check_out_and_alpha(out_dtype: torch.dtype, alpha: torch.Tensor | None,
+                         device: torch.device) -> torch.Tensor | None:
+    """``out_dtype`` is bf16 or fp32, and ``alpha`` (if given) a tensor on ``device``, returned as a 1-element
+    contiguous fp32 tensor."""
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if alpha is not None:
         alpha = alpha.to(torch.float32).reshape(1).contiguous()
-        if alpha.device != a.device:
-            raise ValueError(f"alpha must be on {a.device}, got {alpha.device}")
+        if alpha.device != device:
+            raise ValueError(f"alpha must be on {device}, got {alpha.device}")
     return alpha
 
 
@@ -663,12 +670,7 @@ def scale_alpha_triton(
     into ``acc`` (which must then be contiguous) and ``acc`` is returned."""
     if acc.dtype != torch.float32:
         raise TypeError(f"scale_alpha_triton: the accumulator must be float32, got {acc.dtype}")
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
-    if alpha is not None:
-        alpha = alpha.to(torch.float32).reshape(1).contiguous()
-        if alpha.device != acc.device:
-            raise ValueError(f"alpha must be on {acc.device}, got {alpha.device}")
+    alpha = _check_out_and_alpha(out_dtype, alpha, acc.device)
     if out_dtype == torch.float32:
         if not acc.is_contiguous():
             raise ValueError("scale_alpha_triton writes fp32 output in place: acc must be contiguous")
