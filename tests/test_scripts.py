@@ -73,12 +73,13 @@ def test_layout_check_parses_layouts():
 @pytest.mark.dist
 def test_layout_check_two_ranks_follow_the_reference(tmp_path):
     """The whole script on two gloo ranks (GPTModel stand-in): TP=2 resumes the one-process checkpoint, DP=2
-    resumes TP=2's, and both follow the reference's losses (bf16 recipe: reassociation only)."""
+    resumes TP=2's, and both follow the reference's losses (bf16 recipe: reassociation only); --prewarm first
+    runs one step of each layout from scratch."""
     from tests.trainer.runs import TINY
 
     out = tmp_path / "layout"
     p = _run(["scripts/layout_check.py", "--out", str(out), "--layouts", "1", "tp2", "dp2:tp2", "--steps", "5",
-              "--save-at", "2", "--save-at2", "3", "--rtol", "1e-3", "--",
+              "--save-at", "2", "--save-at2", "3", "--rtol", "1e-3", "--prewarm", "--",
               *[a for a in TINY if not a.startswith(("schedule.train_steps", "checkpoint.interval"))]], timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = {r["layout"]: r for r in json.loads((out / "layout_check.json").read_text())}
@@ -87,6 +88,12 @@ def test_layout_check_two_ranks_follow_the_reference(tmp_path):
     assert [s for s, _, _ in rows["dp2"]["losses"]] == [4, 5]
     assert all(r["max_rel"] <= 1e-3 and r["tokens_per_s"] > 0 for r in rows.values())
     assert not (out / "1" / "checkpoints").exists()  # removed without --keep-checkpoints
+    # --prewarm: one step of each distinct layout from scratch first (the run-length overrides replaced), no checkpoint
+    for name in ("1", "tp2", "dp2"):
+        assert f"prewarm {name}: done" in p.stdout, p.stdout[-3000:]
+        recs = [json.loads(x) for x in (out / "prewarm" / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs if r["type"] == "train"] == [1]
+        assert not list((out / "prewarm" / name).glob("checkpoints/step_*"))
 
 
 @pytest.mark.dist

@@ -56,9 +56,10 @@ to bf16 by ``_bf16_rne`` (fp32 output: in place). That is the same arithmetic as
 the fp32 summation order of the accumulation is cuBLAS's (on the GPU the tensor cores again, with cuBLAS's
 own K blocking and possibly split-K), which the tests allow: bit-exact on inputs whose partial sums are
 exact, within the derived bound of the float64 product otherwise. It costs one extra pass over an fp32
-[M, N] tensor (write by cuBLAS, read + write by the alpha pass) against cuBLAS's GEMM speed; it has NOT
-been measured on the GPU yet (``scripts/bench_kernels.py`` and ``scripts/bench_linear.py --gemm-engine``
-measure it next to the Triton engine). Under ``TRITON_INTERPRET=1`` (CPU tensors) ``aten::mm.dtype`` does
+[M, N] tensor (write by cuBLAS, read + write by the alpha pass) against cuBLAS's GEMM speed. Measured in
+one run on the H200 (docs/benchmarks.md, session 5): 0.91-0.98x cuBLAS BF16 on the six 12B shapes with both
+dequantize passes, against 0.81-0.84x for the Triton engine, so it is the default of ``kernels.nvfp4.nvfp4_gemm``
+(``scripts/bench_kernels.py`` and ``scripts/bench_linear.py --gemm-engine`` measure both). Under ``TRITON_INTERPRET=1`` (CPU tensors) ``aten::mm.dtype`` does
 not exist: the accumulator is ``a.float() @ b.float().t()`` (the same exact products, another order), and
 the alpha pass is the same kernel.
 Split-K and 16-bit reductions: torch's ``allow_bf16_reduced_precision_reduction`` /
