@@ -59,7 +59,11 @@ exact, within the derived bound of the float64 product otherwise. It costs one e
 [M, N] tensor (write by cuBLAS, read + write by the alpha pass) against cuBLAS's GEMM speed. Measured in
 one run on the H200 (docs/benchmarks.md, session 5): 0.91-0.98x cuBLAS BF16 on the six 12B shapes with both
 dequantize passes, against 0.81-0.84x for the Triton engine, so it is the default of ``kernels.nvfp4.nvfp4_gemm``
-(``scripts/bench_kernels.py`` and ``scripts/bench_linear.py --gemm-engine`` measure both). Under ``TRITON_INTERPRET=1`` (CPU tensors) ``aten::mm.dtype`` does
+(``scripts/bench_kernels.py`` and ``scripts/bench_linear.py --gemm-engine`` measure both). Since that
+measurement ``nvfp4_gemm_predequant(engine="cublas")`` hands the alpha pass the two amax tensors and the
+kernel forms ``nvfp4_alpha`` itself (``div_rn`` twice, one product: the same bits, checked against torch
+under the interpreter and, in ``make test-gpu``, on CUDA), which removes three small torch kernels per GEMM
+from the host's work; not yet measured on the GPU. Under ``TRITON_INTERPRET=1`` (CPU tensors) ``aten::mm.dtype`` does
 not exist: the accumulator is ``a.float() @ b.float().t()`` (the same exact products, another order), and
 the alpha pass is the same kernel.
 Split-K and 16-bit reductions: torch's ``allow_bf16_reduced_precision_reduction`` /
@@ -342,16 +346,22 @@ def _gemm16_kernel(
 
 @triton.jit
 def _alpha_scale_kernel(
-    acc_ptr, alpha_ptr, out_ptr, n,
-    HAS_ALPHA: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    acc_ptr, alpha_ptr, amax_b_ptr, out_ptr, n,
+    HAS_ALPHA: tl.constexpr, FROM_AMAX: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out[i] = round_to_out(fl32(acc[i] * alpha)) over a contiguous fp32 accumulator of n elements: the
     epilogue of ``_gemm16_kernel`` (same fp32 multiply, same ``_bf16_rne``) as its own pass. ``out`` may be
-    ``acc`` itself (fp32 output): each element is read and written by the same program."""
+    ``acc`` itself (fp32 output): each element is read and written by the same program. ``FROM_AMAX``:
+    ``alpha_ptr`` and ``amax_b_ptr`` point at the two operands' fp32 amax and every program forms
+    ``alpha = fl(amax_a / 2688) * fl(amax_b / 2688)`` itself (correctly rounded divisions: ``nvfp4_alpha``'s
+    arithmetic), which saves the three small torch kernels that would compute it on the device first."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(acc_ptr + offs, mask=mask, other=0.0)
-    if HAS_ALPHA:
+    if FROM_AMAX:
+        alpha = tl.math.div_rn(tl.load(alpha_ptr), 2688.0) * tl.math.div_rn(tl.load(amax_b_ptr), 2688.0)
+        x = x * alpha
+    elif HAS_ALPHA:
         x = x * tl.load(alpha_ptr)  # fl(acc * alpha): one fp32 rounding
     if OUT_BF16:
         tl.store(out_ptr + offs, _bf16_rne(x), mask=mask)
@@ -517,12 +527,16 @@ def blockscaled_fp4_gemm(
     return c
 
 
-def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
-    """nvfp4_alpha with torch ops on the operands' device (no .item(), no host sync)."""
+def _alpha_devices(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
     dev = a.codes.device
     if a.amax.device != dev or b.amax.device != dev:
         raise ValueError(f"NVFP4 GEMM: amax tensors must be on the codes' device {dev}, got "
                          f"{a.amax.device} and {b.amax.device}")
+
+
+def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
+    """nvfp4_alpha with torch ops on the operands' device (no .item(), no host sync)."""
+    _alpha_devices(a, b)
     return nvfp4_alpha(a.amax, b.amax).reshape(1).contiguous()
 
 
@@ -663,19 +677,26 @@ def check_gemm_engine(engine: str) -> str:
 
 def scale_alpha_triton(
     acc: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16,
+    *, amax: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``round_to_out_dtype(fl32(acc * alpha))`` for an fp32 accumulator ``acc`` (one Triton elementwise pass,
     alpha a 1-element fp32 DEVICE tensor loaded by the kernel: no host sync; None: 1). bf16 output rounds to
     nearest even by bits (``_bf16_rne``, the same code as the Triton GEMM's epilogue, so the interpreter and
     the GPU give the same bits); NaN -> 0x7FC0. For ``out_dtype=torch.float32`` the result is written IN PLACE
-    into ``acc`` (which must then be contiguous) and ``acc`` is returned."""
+    into ``acc`` (which must then be contiguous) and ``acc`` is returned. ``amax=(amax_a, amax_b)`` instead of
+    ``alpha``: the kernel forms ``nvfp4_alpha(amax_a, amax_b)`` itself from the two fp32 device scalars (the
+    same bits, three fewer kernel launches)."""
     if acc.dtype != torch.float32:
         raise TypeError(f"scale_alpha_triton: the accumulator must be float32, got {acc.dtype}")
+    if amax is not None:
+        if alpha is not None:
+            raise ValueError("scale_alpha_triton: give alpha or amax, not both")
+        amax = tuple(_amax_scalar(t, acc.device) for t in amax)
     alpha = _check_out_and_alpha(out_dtype, alpha, acc.device)
     if out_dtype == torch.float32:
         if not acc.is_contiguous():
             raise ValueError("scale_alpha_triton writes fp32 output in place: acc must be contiguous")
-        if alpha is None:
+        if alpha is None and amax is None:
             return acc
         out = acc
     else:
@@ -685,11 +706,25 @@ def scale_alpha_triton(
     if n == 0:
         return out
     grid = (triton.cdiv(n, _ALPHA_BLOCK),)
+    if amax is not None:
+        first, second = amax
+    else:
+        first, second = (alpha if alpha is not None else acc), acc
     _alpha_scale_kernel[grid](
-        acc, alpha if alpha is not None else acc, out, n,
-        HAS_ALPHA=alpha is not None, OUT_BF16=out_dtype == torch.bfloat16, BLOCK=_ALPHA_BLOCK, num_warps=8,
+        acc, first, second, out, n,
+        HAS_ALPHA=alpha is not None, FROM_AMAX=amax is not None, OUT_BF16=out_dtype == torch.bfloat16,
+        BLOCK=_ALPHA_BLOCK, num_warps=8,
     )
     return out
+
+
+def _amax_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An amax as the 1-element contiguous fp32 tensor the alpha kernel loads (a view when it already is one)."""
+    if not isinstance(t, torch.Tensor) or t.numel() != 1:
+        raise ValueError(f"amax must be a 1-element tensor, got {t if not isinstance(t, torch.Tensor) else t.shape}")
+    if t.device != device:
+        raise ValueError(f"amax must be on {device}, got {t.device}")
+    return t.to(torch.float32).reshape(1).contiguous()
 
 
 def gemm_alpha_cublas(
@@ -697,6 +732,8 @@ def gemm_alpha_cublas(
     b: torch.Tensor,
     alpha: torch.Tensor | None,
     out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The same product as ``gemm_alpha_triton`` by cuBLAS: ``acc = torch.mm(a, b.t(), out_dtype=float32)``
     (fp32 accumulation AND fp32 output: the raw accumulator), then ``scale_alpha_triton(acc, alpha,
@@ -704,7 +741,8 @@ def gemm_alpha_cublas(
     tensors under ``TRITON_INTERPRET=1``, where ``aten::mm.dtype`` does not exist and the accumulator is
     ``a.float() @ b.float().t()`` instead (a product of two 16-bit values is exact in fp32 unless it falls
     below fp32's range, as on the tensor cores; dequantized NVFP4 values, >= 2^-10 in magnitude, never do;
-    only the fp32 summation order differs). Needs torch >= 2.8 on CUDA."""
+    only the fp32 summation order differs). Needs torch >= 2.8 on CUDA. ``amax=(amax_a, amax_b)`` instead of
+    ``alpha``: the alpha pass forms ``nvfp4_alpha`` from the two amaxes itself (``scale_alpha_triton``)."""
     alpha = _check_gemm16_args("gemm_alpha_cublas", a, b, alpha, out_dtype, _CUBLAS_DTYPES)
     if a.is_cuda:
         try:
@@ -714,7 +752,7 @@ def gemm_alpha_cublas(
                                f"torch {torch.__version__}: {e}") from e
     else:
         acc = a.float() @ b.float().t()
-    return scale_alpha_triton(acc, alpha, out_dtype)
+    return scale_alpha_triton(acc, alpha, out_dtype, amax=amax)
 
 
 def nvfp4_gemm_predequant(
@@ -731,6 +769,14 @@ def nvfp4_gemm_predequant(
     epilogue. ``engine``: "triton" (``gemm_alpha_triton``; ``dot_dtype`` default "fp16") or "cublas"
     (``gemm_alpha_cublas``: cuBLAS with fp32 output, then the alpha pass; ``dot_dtype`` default "bf16", the
     dtype of the dequantized operands, "fp16" or "bf16"; no ``config``)."""
+    if check_gemm_engine(engine) == "cublas":
+        # alpha formed inside the alpha pass from the two amaxes (the same bits as _alpha: nvfp4_alpha)
+        _alpha_devices(a, b)
+        return predequant_fp4_gemm(
+            a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3", alpha=None,
+            out_dtype=out_dtype, dot_dtype=dot_dtype, config=config, fmt_name="NVFP4", engine=engine,
+            amax=(a.amax, b.amax),
+        )
     return predequant_fp4_gemm(
         a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3", alpha=_alpha(a, b),
         out_dtype=out_dtype, dot_dtype=dot_dtype, config=config, fmt_name="NVFP4", engine=engine,
@@ -751,12 +797,16 @@ def predequant_fp4_gemm(
     config: GemmConfig | None = None,
     fmt_name: str = "FP4",
     engine: str = "triton",
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The pre-dequantized design of the NVFP4 and MXFP4 GEMMs (arguments as ``blockscaled_fp4_gemm``): each
     operand dequantized once to the dot dtype (``q * block_scale``, exact), then ``gemm_alpha_triton``
     (``engine="triton"``) or ``gemm_alpha_cublas`` (``engine="cublas"``). ``dot_dtype`` None: "fp16" for
-    the Triton engine, "bf16" for cuBLAS."""
+    the Triton engine, "bf16" for cuBLAS. ``amax=(amax_a, amax_b)`` (NVFP4, engine "cublas", with
+    ``alpha=None``): the alpha pass forms ``nvfp4_alpha`` from them."""
     check_gemm_engine(engine)
+    if amax is not None and (engine != "cublas" or alpha is not None):
+        raise ValueError(f"{fmt_name} GEMM: amax= is for engine 'cublas' without alpha")
     _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name)
     if engine == "cublas":
         # bf16 by default: every dequantized NVFP4 value (|v| in [2^-10, 2688], <= 6 significant bits) is
@@ -776,5 +826,5 @@ def predequant_fp4_gemm(
                                               dtype=_DOT_TORCH[dot_dtype])
               for c, sc in ((a_codes, a_scales), (b_codes, b_scales)))
     if engine == "cublas":
-        return gemm_alpha_cublas(da, db, alpha, out_dtype)
+        return gemm_alpha_cublas(da, db, alpha, out_dtype, amax=amax)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)

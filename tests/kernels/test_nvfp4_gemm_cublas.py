@@ -112,6 +112,41 @@ def test_alpha_pass_in_place_for_fp32(triton_device, gen):
     assert scale_alpha_triton(empty, torch.ones(1, device=triton_device), torch.bfloat16).shape == (0, 5)
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_alpha_pass_from_amax_bitwise(triton_device, gen, out_dtype):
+    """scale_alpha_triton(acc, None, amax=(amax_a, amax_b)) forms nvfp4_alpha in the kernel (two correctly
+    rounded divisions by 2688, one fp32 product): bit for bit (acc * nvfp4_alpha(amax_a, amax_b)) by torch
+    on CPU, for amaxes over the whole fp32 range (quotients down in the subnormals, products under- and
+    overflowing), bf16-valued amaxes (what the quantizers produce), 0, Inf and NaN."""
+    from kernels.nvfp4.reference import nvfp4_alpha
+
+    acc = special_accumulators(gen)[:3001]
+    exps = torch.randint(-149, 128, (60,), generator=gen).float()
+    am = ((torch.rand(60, generator=gen) + 1) * torch.pow(2.0, exps)).clamp(max=3.4e38)
+    am = torch.cat([am, am.to(torch.bfloat16).float(),
+                    torch.tensor([0.0, float("inf"), float("nan"), 2688.0, 1.0, 2.0**-149, 3.4028235e38])])
+    pairs = [(am[i], am[(7 * i + 3) % am.numel()]) for i in range(am.numel())]
+    for amax_a, amax_b in pairs:
+        ref = (acc * nvfp4_alpha(amax_a, amax_b)).to(out_dtype)
+        got = scale_alpha_triton(acc.clone().to(triton_device), None, out_dtype,
+                                 amax=(amax_a.to(triton_device), amax_b.reshape(1).to(triton_device)))
+        assert_same_as_torch(got, ref, f"amax {float(amax_a)!r}, {float(amax_b)!r}")
+
+
+def test_alpha_pass_amax_argument_checks():
+    acc = torch.zeros(4, 4)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="alpha or amax, not both"):
+        scale_alpha_triton(acc, torch.ones(1), torch.bfloat16, amax=(one, one))
+    with pytest.raises(ValueError, match="1-element"):
+        scale_alpha_triton(acc, None, torch.bfloat16, amax=(torch.ones(2), one))
+    a = random_operand(torch.Generator().manual_seed(0), 16, 32)
+    with pytest.raises(ValueError, match="engine 'cublas' without alpha"):
+        predequant_fp4_gemm(a.codes, a.scales, a.codes, a.scales, block=16, scale_format="e4m3", alpha=None,
+                            out_dtype=torch.float32, dot_dtype=None, engine="triton", amax=(one, one))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # (2) engine "cublas" against the reference GEMM
 # ----------------------------------------------------------------------------------------------------------
