@@ -16,7 +16,10 @@ step), timed with CUDA events, median step time. ``--no-optimizer`` times forwar
 optimizer step is the same FP32 AdamW for every recipe). Peak memory is ``torch.cuda.max_memory_allocated``
 during the timed steps; "before step" is the memory held before the first timed step (weights, gradient
 buffers, optimizer state); "activations" is the peak minus that, i.e. what the step saved for backward plus
-workspace. Each case starts after a garbage collection: the previous case's model and optimizer form
+workspace; "saved by fwd" is what one more step's forward left allocated (its saved activations and the
+loss), read with ``torch.cuda.memory_allocated`` right before and right after the forward, less the weight
+cache's quantized copies made in that forward (reported apart): the activation memory without backward's
+transients (gradients, GEMM workspaces, dequantized operands), which the peak holds. Each case starts after a garbage collection: the previous case's model and optimizer form
 reference cycles through megatron's hooks and would otherwise stay allocated.
 MFU = model FLOPs per token (``models.flops``) x tokens/s / 989.4 TFLOP/s (H200 dense BF16 peak; Hopper has
 no FP4 tensor cores, so BF16 peak is the ceiling for every recipe here).
@@ -64,7 +67,8 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
     from models.flops import training_flops_per_token
     from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
-    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
+    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, quant_layers, set_weight_cache
+    from nvfp4_train.precision.operand import operand_nbytes
 
     size, overrides, seq, mb, all_q = CASES[case]
     mc = model_config(size).replace(**overrides)
@@ -85,22 +89,27 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
     ids = torch.randint(0, mc.vocab_size, (mb, seq), generator=g).to(dev)
     pos = torch.arange(seq, device=dev)[None].expand(mb, seq)
 
+    def no_mark() -> None:
+        pass
+
     if optimizer:
         ddp = build_ddp(model, OptimConfig())
         opt = build_optimizer([ddp], OptimConfig(), lr=1e-4, min_lr=1e-5)
         set_weight_cache(model, True)  # as the trainer: quantize each weight once per optimizer step
 
-        def step() -> None:
+        def step(after_forward=no_mark) -> None:
             ddp.zero_grad_buffer()
             opt.zero_grad()
             loss = ddp(ids, pos, None, labels=ids).float().mean()
+            after_forward()
             loss.backward()
             ddp.finish_grad_sync()
             opt.step()
             invalidate_weight_caches(model)
     else:
-        def step() -> None:
+        def step(after_forward=no_mark) -> None:
             loss = model(ids, pos, None, labels=ids).float().mean()
+            after_forward()
             loss.backward()
 
     for _ in range(warmup):
@@ -120,8 +129,27 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
         peak = torch.cuda.max_memory_allocated()
+        # what the forward leaves allocated for backward (saved activations, the loss): one more step, with
+        # memory_allocated read before it and right after its forward. The peak above also holds backward's
+        # transients (gradients, GEMM workspaces, dequantized operands), which hide a smaller saved set.
+        # The weight cache's quantized copies made in this forward are counted apart (not activations).
+        held: list[int] = []
+
+        def mark() -> None:
+            torch.cuda.synchronize()
+            held.append(torch.cuda.memory_allocated())
+            copies = {id(op): op for m in quant_layers(model) for op in (m.lctx.weight_cache.row,
+                                                                         m.lctx.weight_cache.col) if op is not None}
+            held.append(sum(operand_nbytes(op) for op in copies.values()))
+
+        torch.cuda.synchronize()
+        before_fwd = torch.cuda.memory_allocated()
+        step(mark)
+        torch.cuda.synchronize()
+        wcopies = held[1]
+        saved = held[0] - before_fwd - wcopies
     else:
-        base = peak = 0
+        base = peak = saved = wcopies = 0
         for _ in range(iters):
             t = time.perf_counter()
             step()
@@ -133,7 +161,8 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
     res = dict(case=case, recipe=recipe, optimizer=optimizer, params=count_parameters(mc), seq=seq, micro_batch=mb,
                bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t, tokens_per_s=tps,
                tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
-               peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30)
+               peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30,
+               saved_gib=saved / 2**30, weight_copies_gib=wcopies / 2**30)
     return res
 
 
@@ -161,8 +190,8 @@ def main() -> int:
             print(json.dumps(r), flush=True)
     print()
     print("| case | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | TFLOP/s | MFU | peak GiB | before step GiB "
-          "| act. GiB | act. vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 | quantized weight copies GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {r["case"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
     for r in rows:
         if "error" in r:
@@ -171,9 +200,11 @@ def main() -> int:
         b = base.get(r["case"])
         ratio = f"{r['step_s'] / b['step_s']:.2f}x" if b else "-"
         aratio = f"{r['activation_gib'] / b['activation_gib']:.2f}x" if b and b["activation_gib"] > 0 else "-"
+        sratio = f"{r['saved_gib'] / b['saved_gib']:.2f}x" if b and b["saved_gib"] > 0 else "-"
         print(f"| {r['case']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | {r['step_s'] * 1e3:.1f} | "
               f"{ratio} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | "
-              f"{r['peak_gib']:.1f} | {r['base_gib']:.1f} | {r['activation_gib']:.1f} | {aratio} |")
+              f"{r['peak_gib']:.1f} | {r['base_gib']:.1f} | {r['activation_gib']:.1f} | {aratio} | "
+              f"{r['saved_gib']:.2f} | {sratio} | {r['weight_copies_gib']:.2f} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
