@@ -145,6 +145,10 @@ def main() -> int:
     if layouts[0].name != "1" or any(lay.name == "1" for lay in layouts[1:]):
         ap.error("the first layout must be the reference '1' (and only the first)")
     names = [lay.name for lay in layouts]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        ap.error(f"layout {', '.join(twice)} given twice (with different sources?): each layout runs in its own "
+                 f"folder named after it; e.g. resume another layout's checkpoint under tp2sp instead of tp2")
     for i, lay in enumerate(layouts):
         if lay.resume_from is not None and lay.resume_from not in names[1:i]:
             ap.error(f"layout {lay.name}:{lay.resume_from}: {lay.resume_from} must be an earlier multi-process "

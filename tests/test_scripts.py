@@ -68,6 +68,8 @@ def test_layout_check_parses_layouts():
     # a layout resuming one that does not come before it: refused before anything runs
     p = _run(["scripts/layout_check.py", "--out", "unused", "--layouts", "1", "dp2:tp2", "tp2"], timeout=60)
     assert p.returncode == 2 and "tp2 must be an earlier multi-process layout" in p.stderr, p.stderr[-2000:]
+    p = _run(["scripts/layout_check.py", "--out", "unused", "--layouts", "1", "tp2", "pp2", "tp2:pp2"], timeout=60)
+    assert p.returncode == 2 and "layout tp2 given twice" in p.stderr, p.stderr[-2000:]
 
 
 @pytest.mark.dist
