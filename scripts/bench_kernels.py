@@ -7,7 +7,7 @@ For M = 8192 tokens and (K, N) of each 12B linear layer, it prints markdown tabl
     the pre-dequantized design (dequantize both operands to 16 bits, then the Triton 16-bit GEMM; total and
     GEMM-only), the same design with the "cublas" engine (dequantize both to bf16, cuBLAS GEMM with fp32
     output, then the Triton alpha pass; total, and the cuBLAS-fp32 + alpha part alone from bf16 operands,
-    and the alpha pass alone; not measured on the GPU yet), our MXFP4 GEMM, and the naive PyTorch emulation
+    and the alpha pass alone; the default of ``nvfp4_gemm``), our MXFP4 GEMM, and the naive PyTorch emulation
     (reference quantize of both operands on the GPU + dequantize + bf16 matmul); ratios ours/cuBLAS, ours/FP8
     and the speed-up over the naive emulation (GEMM alone, and with our Triton quantizers included: quantize
     x + quantize W (2-D) + GEMM).

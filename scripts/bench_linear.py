@@ -26,7 +26,7 @@ worst case); ``--reuse-weight`` keeps the cached copies (many micro-batches per 
 ``--gemm-engine triton cublas`` measures the nvfp4 recipe once per engine of its GEMM (kernels/nvfp4/gemm.py:
 the Triton 16-bit GEMM with the alpha epilogue, or cuBLAS with fp32 output + a Triton alpha pass), in the same
 run, by setting ``NVFP4_GEMM_ENGINE`` around each measurement; the "GEMM engine" column says which engine each
-nvfp4 row used (default: only the engine in effect, ``$NVFP4_GEMM_ENGINE`` or "triton"). With more than one
+nvfp4 row used (default: only the engine in effect, ``$NVFP4_GEMM_ENGINE`` or "cublas"). With more than one
 engine the nvfp4 totals are listed as "nvfp4 [engine]". On CPU (``--quick``) the layers run the PyTorch
 reference GEMM whatever the engine.
 

@@ -8,7 +8,7 @@ the pure-PyTorch reference otherwise; both give the same bits):
     dequantize_nvfp4(q)                                    # float32 [M, K]
     row, col = quantize_nvfp4_rowcol(x, ...)               # both copies a linear layer needs, one pass
     nvfp4_gemm(a, b, out_dtype=torch.bfloat16)             # C[M, N] = A[M, K] . B[N, K]^T
-    gemm_engine()                 # the GEMM engine nvfp4_gemm uses now: $NVFP4_GEMM_ENGINE, "triton" if unset
+    gemm_engine()                 # the GEMM engine nvfp4_gemm uses now: $NVFP4_GEMM_ENGINE, "cublas" if unset
 
 See ``reference.py`` for the exact arithmetic and the non-finite policy.
 """
@@ -181,10 +181,10 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bf
     engine = gemm_engine()
     if not use_triton(a.codes):
         return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
-    # Two exact designs were measured in one run on the H200 (docs/benchmarks.md): dequantizing in the
-    # GEMM's registers (nvfp4_gemm_triton) ran at ~30% of cuBLAS BF16, dequantizing each operand once to a
-    # 16-bit tensor and running a pipelined 16-bit GEMM with the same alpha epilogue at ~75%: it is the default.
-    # The "cublas" engine of that design (cuBLAS fp32-output GEMM + a Triton alpha pass) is not measured yet.
+    # Exact designs measured on the H200 (docs/benchmarks.md): dequantizing in the GEMM's registers
+    # (nvfp4_gemm_triton) ~0.33x cuBLAS BF16; dequantizing each operand once to 16 bits, then the Triton 16-bit
+    # GEMM with the alpha epilogue (engine "triton") 0.81-0.84x, or cuBLAS with fp32 output and a Triton alpha
+    # pass (engine "cublas", the default) 0.91-0.98x.
     from kernels.nvfp4.gemm import nvfp4_gemm_predequant
 
     return nvfp4_gemm_predequant(a, b, out_dtype=out_dtype, engine=engine)

@@ -48,7 +48,7 @@ the fused kernel on the GPU (same dot dtype, same k order) and are benchmarked s
 
 A third design, the "cublas" ENGINE of the pre-dequantized path (``nvfp4_gemm_predequant(...,
 engine="cublas")``, ``gemm_alpha_cublas``; ``kernels.nvfp4.nvfp4_gemm`` picks the engine from the
-``NVFP4_GEMM_ENGINE`` environment variable, "triton" by default): the same dequantized operands (bf16 by
+``NVFP4_GEMM_ENGINE`` environment variable, "cublas" by default): the same dequantized operands (bf16 by
 default, exact as above), then ``acc = torch.mm(a, b.t(), out_dtype=torch.float32)`` (cuBLAS, fp32
 accumulation and fp32 output: the raw accumulator, torch >= 2.8), then ONE Triton elementwise pass
 ``_alpha_scale_kernel`` that loads alpha from its device pointer and computes ``fl(acc * alpha)`` rounded
@@ -498,7 +498,6 @@ def blockscaled_fp4_gemm(
     GEMMs. Scales are uint8 (or a 1-byte float dtype, read as bytes). Validates its inputs."""
     M, N, K = _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name)
     if out_dtype not in _OUT_DTYPES:
-
         raise TypeError(f"{fmt_name} GEMM out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     _check_dot_dtype(dot_dtype)
     if fold_pow2 and (dot_dtype != "fp16" or scale_format != "e4m3"):
