@@ -449,10 +449,12 @@ def _check_dot_dtype(dot_dtype: str) -> None:
 
 
 def _check_operands(
-    a_codes, a_scales, b_codes, b_scales, alpha, *, block: int, fmt_name: str
+    a_codes, a_scales, b_codes, b_scales, alpha, *, block: int, fmt_name: str,
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[int, int, int]:
     """(M, N, K) of two block-scaled FP4 operands (codes uint8 [., K/2], 1-byte scales [., K/block]), or a
-    ValueError/TypeError that names the problem. Shared by both GEMM designs."""
+    ValueError/TypeError that names the problem. Shared by both GEMM designs. ``alpha`` and ``amax`` (the
+    cublas engine's pair), when given, must be on the codes' device too."""
     if a_codes.dim() != 2 or b_codes.dim() != 2:
         raise ValueError(f"{fmt_name} GEMM takes 2-D operands, got codes {tuple(a_codes.shape)} and "
                          f"{tuple(b_codes.shape)}")
@@ -472,7 +474,7 @@ def _check_operands(
             raise ValueError(f"{fmt_name} GEMM: {name} scales must be 1-byte [{rows}, {K // block}], got "
                              f"{s.dtype} {tuple(s.shape)}")
     dev = a_codes.device
-    tensors = [b_codes, a_scales, b_scales] + ([alpha] if alpha is not None else [])
+    tensors = [b_codes, a_scales, b_scales] + ([alpha] if alpha is not None else []) + list(amax or ())
     if any(t.device != dev for t in tensors):
         raise ValueError(f"{fmt_name} GEMM: all operands (codes, scales, amax) must be on {dev}")
     return M, N, K
@@ -526,16 +528,12 @@ def blockscaled_fp4_gemm(
     return c
 
 
-def _alpha_devices(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
+    """nvfp4_alpha with torch ops on the operands' device (no .item(), no host sync)."""
     dev = a.codes.device
     if a.amax.device != dev or b.amax.device != dev:
         raise ValueError(f"NVFP4 GEMM: amax tensors must be on the codes' device {dev}, got "
                          f"{a.amax.device} and {b.amax.device}")
-
-
-def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
-    """nvfp4_alpha with torch ops on the operands' device (no .item(), no host sync)."""
-    _alpha_devices(a, b)
     return nvfp4_alpha(a.amax, b.amax).reshape(1).contiguous()
 
 
@@ -768,17 +766,12 @@ def nvfp4_gemm_predequant(
     epilogue. ``engine``: "triton" (``gemm_alpha_triton``; ``dot_dtype`` default "fp16") or "cublas"
     (``gemm_alpha_cublas``: cuBLAS with fp32 output, then the alpha pass; ``dot_dtype`` default "bf16", the
     dtype of the dequantized operands, "fp16" or "bf16"; no ``config``)."""
-    if check_gemm_engine(engine) == "cublas":
-        # alpha formed inside the alpha pass from the two amaxes (the same bits as _alpha: nvfp4_alpha)
-        _alpha_devices(a, b)
-        return predequant_fp4_gemm(
-            a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3", alpha=None,
-            out_dtype=out_dtype, dot_dtype=dot_dtype, config=config, fmt_name="NVFP4", engine=engine,
-            amax=(a.amax, b.amax),
-        )
+    # engine "cublas": alpha formed inside its alpha pass from the two amaxes (the same bits as _alpha)
+    cublas = check_gemm_engine(engine) == "cublas"
     return predequant_fp4_gemm(
-        a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3", alpha=_alpha(a, b),
-        out_dtype=out_dtype, dot_dtype=dot_dtype, config=config, fmt_name="NVFP4", engine=engine,
+        a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3",
+        alpha=None if cublas else _alpha(a, b), out_dtype=out_dtype, dot_dtype=dot_dtype, config=config,
+        fmt_name="NVFP4", engine=engine, amax=(a.amax, b.amax) if cublas else None,
     )
 
 
@@ -806,7 +799,7 @@ def predequant_fp4_gemm(
     check_gemm_engine(engine)
     if amax is not None and (engine != "cublas" or alpha is not None):
         raise ValueError(f"{fmt_name} GEMM: amax= is for engine 'cublas' without alpha")
-    _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name)
+    _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name, amax=amax)
     if engine == "cublas":
         # bf16 by default: every dequantized NVFP4 value (|v| in [2^-10, 2688], <= 6 significant bits) is
         # exact in bf16 (8-bit significand, fp32's exponent range), and so is every MXFP4 value (fp16 is
