@@ -84,14 +84,30 @@ def parse_layout(text: str) -> Layout:
     return lay
 
 
-def run(cmd: list[str], log: Path, env: dict, timeout: float) -> int:
-    print(" ".join(shlex.quote(c) for c in cmd), flush=True)
-    with open(log, "w") as f:
+@dataclass
+class Launched:
+    """A training run started in the background, its output going to ``log``."""
+
+    proc: subprocess.Popen
+    log: object
+    t_start: float
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code, or -9 after killing it when it runs past ``timeout`` seconds from its start."""
         try:
-            return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                  timeout=timeout).returncode
+            rc = self.proc.wait(timeout=max(self.t_start + timeout - time.time(), 0.0))
         except subprocess.TimeoutExpired:
-            return -9
+            self.proc.kill()
+            self.proc.wait()
+            rc = -9
+        self.log.close()
+        return rc
+
+
+def start(cmd: list[str], log: Path, env: dict) -> Launched:
+    print(" ".join(shlex.quote(c) for c in cmd), flush=True)
+    f = open(log, "w")
+    return Launched(subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env), f, time.time())
 
 
 def tokens_per_s(recs: list[dict]) -> float:
@@ -178,7 +194,7 @@ def main() -> int:
         # timed runs: the run length keys of the extra overrides are replaced (one step, no warmup or decay),
         # everything that shapes the kernels is kept. A failed warm-up only costs the checked run its compiles.
         short = [x for x in extra if not x.startswith(("schedule.train_", "schedule.warmup_", "schedule.decay_"))]
-        warm: list[tuple[str, subprocess.Popen, object, float]] = []
+        warm: list[tuple[str, Launched]] = []
         seen: set[tuple] = set()
         for lay in layouts:
             if (lay.tp, lay.pp, lay.dp, lay.sp) in seen:
@@ -192,25 +208,17 @@ def main() -> int:
                          f"checkpoint.dir={d / 'checkpoints'}", *short, f"experiment.run_dir={d}",
                          f"experiment.name=prewarm_{lay.name}"]
             cmd = [sys.executable, "train.py", *overrides] if lay.world == 1 else torchrun(lay, overrides)
-            print(" ".join(shlex.quote(c) for c in cmd), flush=True)
-            log = open(d / "stdout.log", "w")
-            warm.append((lay.name, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
-                         log, time.time()))
-        for name, proc, log, t_start in warm:
-            try:
-                wrc = proc.wait(timeout=max(t_start + a.run_timeout - time.time(), 0.0))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                wrc = proc.wait()
-            log.close()
+            warm.append((lay.name, start(cmd, d / "stdout.log", env)))
+        for name, run in warm:
+            wrc = run.wait(a.run_timeout)
             print(f"prewarm {name}: " + ("done" if wrc == 0 else f"exit {wrc}, see {a.out / 'prewarm' / name}")
-                  + f", {time.time() - t_start:.0f} s", flush=True)
+                  + f", {time.time() - run.t_start:.0f} s", flush=True)
     ref_dir = a.out / "1"
     ref_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    rc = run([sys.executable, "train.py", *common, f"checkpoint.interval={a.save_at}",
-              f"checkpoint.dir={ckpt_dir('1')}", f"experiment.run_dir={ref_dir}", "experiment.name=layout_1"],
-             ref_dir / "stdout.log", env, a.run_timeout)
+    ref_run = start([sys.executable, "train.py", *common, f"checkpoint.interval={a.save_at}",
+                     f"checkpoint.dir={ckpt_dir('1')}", f"experiment.run_dir={ref_dir}", "experiment.name=layout_1"],
+                    ref_dir / "stdout.log", env)
+    rc = ref_run.wait(a.run_timeout)
     if rc != 0:
         print(f"reference run failed ({rc}); see {ref_dir / 'stdout.log'}")
         return 1
@@ -218,12 +226,12 @@ def main() -> int:
     ref = {r["step"]: r for r in ref_recs}
     results = [dict(layout="1", gpus=1, resumed="-", max_rel=0.0, max_rel_grad_norm=0.0,
                     tokens_per_s=tokens_per_s([r for r in ref_recs if r["step"] > a.save_at]),
-                    wall_s=time.time() - t0)]
+                    wall_s=time.time() - ref_run.t_start)]
     print(f"layout 1: {results[0]['tokens_per_s']:,.0f} tokens/s, {results[0]['wall_s']:.0f} s", flush=True)
     (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     ok = True
 
-    def launch(lay: Layout) -> tuple[subprocess.Popen, object, float]:
+    def launch(lay: Layout) -> Launched:
         d = a.out / lay.name
         d.mkdir(parents=True, exist_ok=True)
         ckpt = (ckpt_dir(lay.resume_from) / f"step_{save2:07d}" if lay.resume_from
@@ -232,23 +240,14 @@ def main() -> int:
                              f"checkpoint.interval={save2 if lay.name in sources else 0}",
                              f"checkpoint.dir={ckpt_dir(lay.name)}", f"experiment.run_dir={d}",
                              f"experiment.name=layout_{lay.name}"])
-        print(" ".join(shlex.quote(c) for c in cmd), flush=True)
-        log = open(d / "stdout.log", "w")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return proc, log, time.time()
+        return start(cmd, d / "stdout.log", env)
 
-    def finish(lay: Layout, proc: subprocess.Popen, log, t_start: float, deadline: float) -> dict:
-        try:
-            rc = proc.wait(timeout=max(deadline - time.time(), 0.0))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = -9
-        log.close()
+    def finish(lay: Layout, run: Launched) -> dict:
+        rc = run.wait(a.run_timeout)
         d = a.out / lay.name
         start = save2 if lay.resume_from else a.save_at
         resumed = f"{lay.resume_from} @ {save2}" if lay.resume_from else f"1 @ {a.save_at}"
-        row = dict(layout=lay.name, gpus=lay.world, resumed=resumed, wall_s=time.time() - t_start,
+        row = dict(layout=lay.name, gpus=lay.world, resumed=resumed, wall_s=time.time() - run.t_start,
                    shared_gpus=a.concurrent)
         if rc != 0:
             row["error"] = f"exit {rc}, see {d / 'stdout.log'}"
@@ -269,9 +268,9 @@ def main() -> int:
         else:
             wave = pending[:1]
         pending = [lay for lay in pending if lay not in wave]
-        running = [(lay, *launch(lay)) for lay in wave]
-        for lay, proc, log, t_start in running:
-            row = finish(lay, proc, log, t_start, t_start + a.run_timeout)
+        running = [(lay, launch(lay)) for lay in wave]
+        for lay, run in running:
+            row = finish(lay, run)
             done.add(lay.name)
             ok &= "error" not in row and row["max_rel"] <= a.rtol
             results.append(row)
