@@ -133,21 +133,21 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
         # memory_allocated read before it and right after its forward. The peak above also holds backward's
         # transients (gradients, GEMM workspaces, dequantized operands), which hide a smaller saved set.
         # The weight cache's quantized copies made in this forward are counted apart (not activations).
-        held: list[int] = []
+        after_fwd: dict[str, int] = {}
 
         def mark() -> None:
             torch.cuda.synchronize()
-            held.append(torch.cuda.memory_allocated())
             copies = {id(op): op for m in quant_layers(model) for op in (m.lctx.weight_cache.row,
                                                                          m.lctx.weight_cache.col) if op is not None}
-            held.append(sum(operand_nbytes(op) for op in copies.values()))
+            after_fwd.update(allocated=torch.cuda.memory_allocated(),
+                             weight_copies=sum(operand_nbytes(op) for op in copies.values()))
 
         torch.cuda.synchronize()
         before_fwd = torch.cuda.memory_allocated()
         step(mark)
         torch.cuda.synchronize()
-        wcopies = held[1]
-        saved = held[0] - before_fwd - wcopies
+        wcopies = after_fwd["weight_copies"]
+        saved = after_fwd["allocated"] - before_fwd - wcopies
     else:
         base = peak = saved = wcopies = 0
         for _ in range(iters):
