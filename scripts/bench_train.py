@@ -24,18 +24,32 @@ reference cycles through megatron's hooks and would otherwise stay allocated.
 MFU = model FLOPs per token (``models.flops``) x tokens/s / 989.4 TFLOP/s (H200 dense BF16 peak; Hopper has
 no FP4 tensor cores, so BF16 peak is the ceiling for every recipe here).
 
+``--profile DIR``: after the measurements above, each case and recipe runs ONE more full training step under
+``torch.profiler`` (CPU and, when present, CUDA activities) and reports, as a markdown table on stdout and under
+``"profile"`` in the ``--json`` record: the step's wall time, the GPU busy time (the length of the union of all
+CUDA kernel intervals, so overlapping streams count once) and the GPU-idle fraction 1 - busy/wall (the wall time
+includes the profiler's own CPU overhead, so the idle fraction is an upper bound), the number of
+kernel launches, the kernel time per category (``KERNEL_CATEGORIES``: kernel-name regexes, first match wins) and
+the 15 kernels with the most time; ``DIR/<case>_<recipe>_kernels.csv`` lists every kernel (name, category,
+count, total us). Without CUDA there are no kernel events: busy time 0 and a note "no CUDA events". The
+profiled step is not part of the timed steps or the memory readings.
+
     python3 scripts/bench_train.py --cases slice12b small 1.2b --recipes bf16 fp8 nvfp4 --json out.json
+    python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/   # + kernel breakdown
     python3 scripts/bench_train.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import json
+import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -53,13 +67,156 @@ CASES = {
 }
 
 
+# Kernel-name regexes (case-insensitive) of the --profile breakdown; the first match wins, the last is the rest.
+KERNEL_CATEGORIES: dict[str, str] = {
+    "gemm": r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|matmul|scaled_mm|wgmma",
+    "nvfp4/fp8 cast": r"_quantize|_amax|_dequant|_alpha|_fp8|_scale|_mxfp4|_nvfp4",  # our Triton kernels
+    "mamba": r"chunk|state_passing|bmm_chunk|causal_conv1d|selective|ssd|_layer_norm_fwd|_layer_norm_bwd"
+             r"|rmsnorm_gated|mamba",
+    "attention": r"flash|fmha|sdpa|attention|cudnn",
+    "optimizer": r"multi_tensor|adam|foreach|lamb|_amp_|clip",
+    "nccl": r"nccl",
+    "norm/elementwise/other": r"",
+}
+TOP_KERNELS = 15
+
+
+def kernel_category(name: str, categories: dict[str, str] = KERNEL_CATEGORIES) -> str:
+    """The first category whose regex matches ``name`` (case-insensitive); the last category when none does."""
+    for cat, pattern in categories.items():
+        if pattern and re.search(pattern, name, re.IGNORECASE):
+            return cat
+    return list(categories)[-1]
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: overlapping and nested ones count once."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _is_kernel(name: str, activity: str, annotation: bool) -> bool:
+    """A CUDA-device event that is a kernel: not a GPU user annotation (a range, not work), memcpy or memset."""
+    if annotation or any(k in activity for k in ("annotation", "memcpy", "memset")):
+        return False
+    return not name.startswith(("Memcpy", "Memset"))
+
+
+def cuda_kernels(prof: torch.profiler.profile) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of every CUDA kernel in the profile: from the raw Kineto events where this
+    torch has them (torch 2.11 and 2.13 do), else from the FunctionEvents' ``time_range``."""
+    out = []
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is not None and hasattr(results, "events"):
+        for e in results.events():
+            if e.device_type() != torch.autograd.DeviceType.CUDA:
+                continue
+            activity = str(e.activity_type()) if hasattr(e, "activity_type") else ""
+            annotation = bool(e.is_user_annotation()) if hasattr(e, "is_user_annotation") else False
+            if _is_kernel(e.name(), activity, annotation):
+                out.append((e.name(), e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
+        return out
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        activity = str(getattr(e, "activity_type", "") or "")
+        if _is_kernel(e.name, activity, bool(getattr(e, "is_user_annotation", False))):
+            out.append((e.name, e.time_range.start, e.time_range.end))
+    return out
+
+
+def kernel_summary(kernels: list[tuple[str, float, float]], wall_s: float,
+                   categories: dict[str, str] = KERNEL_CATEGORIES) -> tuple[dict, list[dict]]:
+    """The profile record (wall, busy, idle fraction, launches, time per category, top kernels) and the
+    per-kernel rows (name, category, count, total_us; most time first) of one profiled step."""
+    per: dict[str, list] = {}
+    for name, start, end in kernels:
+        row = per.setdefault(name, [0, 0.0])
+        row[0] += 1
+        row[1] += end - start
+    rows = sorted(({"name": n, "category": kernel_category(n, categories), "count": c, "total_us": us}
+                   for n, (c, us) in per.items()), key=lambda r: -r["total_us"])
+    busy_us = union_length((s, e) for _, s, e in kernels)
+    cat_us = dict.fromkeys(categories, 0.0)
+    for r in rows:
+        cat_us[r["category"]] += r["total_us"]
+    wall_ms = wall_s * 1e3
+    rec = dict(wall_ms=wall_ms, busy_ms=busy_us / 1e3,
+               idle_frac=1 - busy_us / 1e3 / wall_ms if wall_ms > 0 else 1.0, launches=len(kernels),
+               categories={c: dict(ms=us / 1e3, pct=100 * us / busy_us if busy_us > 0 else 0.0)
+                           for c, us in cat_us.items()},
+               top=[dict(name=r["name"][:80], count=r["count"], total_ms=r["total_us"] / 1e3)
+                    for r in rows[:TOP_KERNELS]])
+    if not kernels:
+        rec["note"] = "no CUDA events"
+    return rec, rows
+
+
+def profile_step(step: Callable[[], None], path: Path) -> dict:
+    """One more training step under ``torch.profiler``; the per-kernel CSV goes to ``path``, the summary
+    (``kernel_summary``) is returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    rec, rows = kernel_summary(cuda_kernels(prof), wall)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["name", "category", "count", "total_us"])
+        w.writeheader()
+        w.writerows(rows)
+    rec["csv"] = str(path)
+    return rec
+
+
+def print_profile(case: str, recipe: str, p: dict) -> None:
+    """The profiled step of one case and recipe as markdown tables."""
+    print(f"\n#### profile: {case} / {recipe}\n")
+    if "error" in p:
+        print(f"profiling failed: {p['error']}")
+        return
+    if "note" in p:
+        print(f"({p['note']})\n")
+    print("| step wall (ms) | GPU busy (ms) | GPU idle | kernel launches |")
+    print("|---|---|---|---|")
+    print(f"| {p['wall_ms']:.1f} | {p['busy_ms']:.1f} | {100 * p['idle_frac']:.1f}% | {p['launches']} |\n")
+    print("| category | kernel ms | % of busy |")
+    print("|---|---|---|")
+    for cat, v in p["categories"].items():
+        print(f"| {cat} | {v['ms']:.2f} | {v['pct']:.1f}% |")
+    if p["top"]:
+        print("\n| kernel | count | total ms |")
+        print("|---|---|---|")
+        for k in p["top"]:
+            print(f"| `{k['name']}` | {k['count']} | {k['total_ms']:.2f} |")
+    print(f"\nall kernels: {p['csv']}", flush=True)
+
+
 def _init_dist() -> None:
     from nvfp4_train.parallel.setup import init_single_process
 
     init_single_process()
 
 
-def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True) -> dict:
+def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
+               profile_dir: Path | None = None) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from models.build import build_model, transformer_config
@@ -163,6 +320,11 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
                tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
                peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30,
                saved_gib=saved / 2**30, weight_copies_gib=wcopies / 2**30)
+    if profile_dir is not None:
+        try:  # a profiler failure must not lose the measurements above
+            res["profile"] = profile_step(step, profile_dir / f"{case}_{recipe}_kernels.csv")
+        except Exception as e:
+            res["profile"] = dict(error=f"{type(e).__name__}: {e}"[:300])
     return res
 
 
@@ -175,6 +337,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-optimizer", action="store_true", help="time forward + backward only")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 2 steps")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="profile one more step per case/recipe: kernel breakdown, DIR/<case>_<recipe>_kernels.csv")
     a = ap.parse_args()
     if a.quick:
         a.cases, a.warmup, a.iters = ["tiny"], 1, 2
@@ -183,11 +347,13 @@ def main() -> int:
     for case in a.cases:
         for recipe in a.recipes:
             try:
-                rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer))
+                rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile))
             except Exception as e:  # report and go on: one failing recipe must not hide the others
                 rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
             r = rows[-1]
             print(json.dumps(r), flush=True)
+            if "profile" in r:
+                print_profile(case, recipe, r["profile"])
     print()
     print("| case | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | TFLOP/s | MFU | peak GiB | before step GiB "
           "| act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 | quantized weight copies GiB |")
