@@ -44,7 +44,12 @@ by a GPU test), only on ``split_nibbles``. Under the interpreter each tile dot i
 The pre-dequantized design (GPU.md design notes) is here too: ``dequantize_nvfp4_blockwise_triton`` writes
 ``q * sdec_b`` as a 16-bit [M, K] tensor once, and ``gemm_alpha_triton`` is a plain 16-bit Triton GEMM
 with the same alpha epilogue; ``nvfp4_gemm_predequant`` chains them. Both designs give the same bits as
-the fused kernel on the GPU (same dot dtype, same k order) and are benchmarked side by side.
+the fused kernel on the GPU (same dot dtype, same k order) and are benchmarked side by side. A GEMM of this
+design dequantizes BOTH operands in ONE launch (``dequantize_fp4_blockwise_pair_triton``,
+``_dequant_pair_kernel``: the row tiles of A, then those of B, into one [M + N, K] allocation; the tile code
+of the single-operand ``_dequant_kernel``, so the same bits), which saves a launch per GEMM (three per
+quantized linear layer's fwd+bwd) where the GPU is host-bound; the single-operand launcher stays for
+callers that dequantize one tensor.
 
 A third design, the "cublas" ENGINE of the pre-dequantized path (``nvfp4_gemm_predequant(...,
 engine="cublas")``, ``gemm_alpha_cublas``; ``kernels.nvfp4.nvfp4_gemm`` picks the engine from the
@@ -298,13 +303,12 @@ def _fp4_gemm_kernel(
 
 
 @triton.jit
-def _dequant_kernel(
-    codes, scales, out, M, K, s_cm, s_ck, s_sm, s_sk, s_om, s_ok,
+def _dequant_tile_store(
+    codes, scales, out, M, K, s_cm, s_ck, s_sm, s_sk, s_om, s_ok, pid_m, pid_k,
     FMT: tl.constexpr, SB: tl.constexpr, DOT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """[BM, BK] tile of ``q * block_scale`` (no tensor scale) in the dot dtype."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    """Row tile ``pid_m``, K tile ``pid_k`` of ``q * block_scale`` (no tensor scale) in the dot dtype: the
+    body of both dequantize kernels (one operand, or the pair), so they compute the very same bits."""
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rkh = pid_k * (BK // 2) + tl.arange(0, BK // 2)
     rks = pid_k * (BK // SB) + tl.arange(0, BK // SB)
@@ -314,6 +318,36 @@ def _dequant_kernel(
     v = _dequant_tile(c, s, BM, BK, SB, FMT, DOT, False)
     rk = pid_k * BK + tl.arange(0, BK)
     tl.store(out + rm[:, None] * s_om + rk[None, :] * s_ok, v, mask=mrow & (rk[None, :] < K))
+
+
+@triton.jit
+def _dequant_kernel(
+    codes, scales, out, M, K, s_cm, s_ck, s_sm, s_sk, s_om, s_ok,
+    FMT: tl.constexpr, SB: tl.constexpr, DOT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    """[BM, BK] tile of ``q * block_scale`` (no tensor scale) in the dot dtype."""
+    _dequant_tile_store(codes, scales, out, M, K, s_cm, s_ck, s_sm, s_sk, s_om, s_ok,
+                        tl.program_id(0), tl.program_id(1), FMT, SB, DOT, BM, BK)
+
+
+@triton.jit
+def _dequant_pair_kernel(
+    a_codes, a_scales, a_out, M, s_acm, s_ack, s_asm, s_ask, s_aom, s_aok,
+    b_codes, b_scales, b_out, N, s_bcm, s_bck, s_bsm, s_bsk, s_bom, s_bok,
+    K, FMT: tl.constexpr, SB: tl.constexpr, DOT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    """Both operands of one GEMM in ONE launch: row tiles 0 .. cdiv(M, BM) - 1 of axis 0 dequantize A, the
+    following cdiv(N, BM) ones B (axis 1: the K tiles, shared). Each program takes one branch; the tile
+    body is ``_dequant_kernel``'s (``_dequant_tile_store``)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_a = tl.cdiv(M, BM)
+    if pid < tiles_a:
+        _dequant_tile_store(a_codes, a_scales, a_out, M, K, s_acm, s_ack, s_asm, s_ask, s_aom, s_aok,
+                            pid, pid_k, FMT, SB, DOT, BM, BK)
+    else:
+        _dequant_tile_store(b_codes, b_scales, b_out, N, K, s_bcm, s_bck, s_bsm, s_bsk, s_bom, s_bok,
+                            pid - tiles_a, pid_k, FMT, SB, DOT, BM, BK)
 
 
 @triton.jit
@@ -557,16 +591,25 @@ def nvfp4_gemm_triton(
     )
 
 
-def dequantize_fp4_blockwise_triton(
-    codes: torch.Tensor, scales: torch.Tensor, *, block: int, scale_format: str, dtype: torch.dtype,
-    block_m: int = 64, block_k: int = 128, num_warps: int = 4,
-) -> torch.Tensor:
-    """``q * block_scale`` (no tensor scale) as a [M, K] tensor of ``dtype`` (fp16, bf16 or fp32)."""
+def _dequant_dtypes(dtype: torch.dtype, scale_format: str) -> tuple[str, str]:
+    """(dot, kdot): the dot dtype name of ``dtype`` and the one the dequantize kernels compute in.
+    ``_dequant_kernel`` computes in fp16 then converts; under the interpreter bf16 products are done on raw
+    bits, so there the bf16 output goes through fp32 (exact) instead."""
     dot = {v: k for k, v in _DOT_TORCH.items()}.get(dtype)
     if dot is None:
         raise TypeError(f"dequantized operands are float16, bfloat16 or float32, got {dtype}")
     if dot == "fp16" and scale_format == "e8m0":
         raise ValueError("E8M0-scaled values are not all representable in fp16; use bfloat16 or float32")
+    kdot = "fp32" if (dot == "bf16" and interpret_mode()) else dot
+    return dot, kdot
+
+
+def dequantize_fp4_blockwise_triton(
+    codes: torch.Tensor, scales: torch.Tensor, *, block: int, scale_format: str, dtype: torch.dtype,
+    block_m: int = 64, block_k: int = 128, num_warps: int = 4,
+) -> torch.Tensor:
+    """``q * block_scale`` (no tensor scale) as a [M, K] tensor of ``dtype`` (fp16, bf16 or fp32)."""
+    dot, kdot = _dequant_dtypes(dtype, scale_format)
     M, K = codes.shape[0], codes.shape[1] * 2
     if K % block != 0:
         raise ValueError(f"K must be a multiple of the scale block {block}, got K = {K}")
@@ -576,9 +619,6 @@ def dequantize_fp4_blockwise_triton(
     s = scales.view(torch.uint8)
     block_k = max(block_k, block)
     grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    # _dequant_kernel computes in fp16 then converts; under the interpreter bf16 products are done on raw
-    # bits, so there the bf16 output goes through fp32 (exact) instead
-    kdot = "fp32" if (dot == "bf16" and interpret_mode()) else dot
     tmp = out if kdot == dot else torch.empty((M, K), dtype=torch.float32, device=codes.device)
     _dequant_kernel[grid](
         codes, s, tmp, M, K, codes.stride(0), codes.stride(1), s.stride(0), s.stride(1),
@@ -589,6 +629,46 @@ def dequantize_fp4_blockwise_triton(
     if tmp is not out:
         out.copy_(tmp)
     return out
+
+
+def dequantize_fp4_blockwise_pair_triton(
+    a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor, *,
+    block: int, scale_format: str, dtype: torch.dtype, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands of one GEMM, ``q * block_scale`` as [M, K] and [N, K] tensors of ``dtype``, in ONE launch
+    of ``_dequant_pair_kernel`` (the row tiles of A, then those of B; the same tile code as
+    ``dequantize_fp4_blockwise_triton``, so the same bits as two single launches). Both live in one [M + N, K]
+    allocation (A its first M rows, B the rest: two contiguous views), one allocator call instead of two."""
+    dot, kdot = _dequant_dtypes(dtype, scale_format)
+    M, K = a_codes.shape[0], a_codes.shape[1] * 2
+    N = b_codes.shape[0]
+    if b_codes.shape[1] * 2 != K:
+        raise ValueError(f"the two operands' K differ: {K} and {b_codes.shape[1] * 2}")
+    if K % block != 0:
+        raise ValueError(f"K must be a multiple of the scale block {block}, got K = {K}")
+    if b_codes.device != a_codes.device:
+        raise ValueError(f"both operands must be on one device, got {a_codes.device} and {b_codes.device}")
+    dev = a_codes.device
+    out = torch.empty((M + N, K), dtype=dtype, device=dev)
+    if M + N == 0 or K == 0:
+        return out[:M], out[M:]
+    a_s = a_scales.view(torch.uint8)
+    b_s = b_scales.view(torch.uint8)
+    block_k = max(block_k, block)
+    grid = (triton.cdiv(M, block_m) + triton.cdiv(N, block_m), triton.cdiv(K, block_k))
+    tmp = out if kdot == dot else torch.empty((M + N, K), dtype=torch.float32, device=dev)
+    ta, tb = tmp[:M], tmp[M:]
+    _dequant_pair_kernel[grid](
+        a_codes, a_s, ta, M, a_codes.stride(0), a_codes.stride(1), a_s.stride(0), a_s.stride(1),
+        ta.stride(0), ta.stride(1),
+        b_codes, b_s, tb, N, b_codes.stride(0), b_codes.stride(1), b_s.stride(0), b_s.stride(1),
+        tb.stride(0), tb.stride(1),
+        K, FMT=0 if scale_format == "e4m3" else 1, SB=block, DOT=_DOT_CODES[kdot], BM=block_m, BK=block_k,
+        num_warps=num_warps,
+    )
+    if tmp is not out:
+        out.copy_(tmp)
+    return out[:M], out[M:]
 
 
 def dequantize_nvfp4_blockwise_triton(q: NVFP4Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -814,9 +894,9 @@ def predequant_fp4_gemm(
     else:
         dot_dtype = dot_dtype or "fp16"
         _check_dot_dtype(dot_dtype)
-    da, db = (dequantize_fp4_blockwise_triton(c, sc, block=block, scale_format=scale_format,
-                                              dtype=_DOT_TORCH[dot_dtype])
-              for c, sc in ((a_codes, a_scales), (b_codes, b_scales)))
+    # both operands in one dequantize launch
+    da, db = dequantize_fp4_blockwise_pair_triton(a_codes, a_scales, b_codes, b_scales, block=block,
+                                                  scale_format=scale_format, dtype=_DOT_TORCH[dot_dtype])
     if engine == "cublas":
         return gemm_alpha_cublas(da, db, alpha, out_dtype, amax=amax)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)

@@ -1,0 +1,169 @@
+"""The pair dequantize (kernels/nvfp4/gemm.py ``dequantize_fp4_blockwise_pair_triton``, ``_dequant_pair_kernel``):
+both operands of one GEMM in ONE launch, the same bits as two single launches (``dequantize_fp4_blockwise_triton``)
+and as the reference dequantization; and the pre-dequantized GEMM (both engines) launches it once per GEMM.
+
+``triton`` tests run under TRITON_INTERPRET=1 on CPU (``make test``) and natively on CUDA (``make test-gpu``); the
+unmarked one (argument errors) launches nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.nvfp4.gemm as gemm
+from kernels.nvfp4.gemm import (
+    dequantize_fp4_blockwise_pair_triton,
+    dequantize_fp4_blockwise_triton,
+    gemm_alpha_cublas,
+    gemm_alpha_triton,
+    nvfp4_gemm_predequant,
+)
+from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values
+from tests.kernels.test_nvfp4_gemm import assert_bitwise, make, on, random_operand, to_cpu
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def same_bits(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Raw bit equality (NaN payloads and zero signs included)."""
+    got, ref = got.cpu(), ref.cpu()
+    return got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(
+        got.contiguous().view(_BITS[got.dtype]), ref.contiguous().view(_BITS[ref.dtype]))
+
+
+def every_byte_operand(rows: int, K: int, gen: torch.Generator, device: str, offset: int = 0) -> NVFP4Tensor:
+    """Random codes (all 16) and scale bytes cycling through all 256 E4M3 bytes (+-0, the subnormals 0x01-0x07,
+    448, negatives, both NaN bytes 0x7F / 0xFF), starting at ``offset``."""
+    codes = torch.randint(0, 16, (rows, K), generator=gen)
+    sc = (torch.arange(rows * (K // 16)) + offset).remainder(256).view(rows, K // 16)
+    return make(codes, sc, 1.0, device)
+
+
+# (M, N, K): operands of different shapes; K a multiple of 16 but not of the K tile; M, N not multiples of
+# the row tile; a single row; an empty operand
+SHAPES = [(37, 5, 16 * 9), (1, 70, 48), (65, 129, 16 * 11), (0, 20, 32), (20, 0, 32)]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tiles", [dict(), dict(block_m=16, block_k=32)])
+def test_pair_equals_two_single_launches_and_reference(triton_device, gen, shape, tiles):
+    M, N, K = shape
+    a = every_byte_operand(M, K, gen, triton_device)
+    b = every_byte_operand(N, K, gen, triton_device, offset=101)
+    ref_a, ref_b = _blockwise_values(to_cpu(a)), _blockwise_values(to_cpu(b))
+    for dt in DTYPES:
+        kw = dict(block=16, scale_format="e4m3", dtype=dt, **tiles)
+        da, db = dequantize_fp4_blockwise_pair_triton(a.codes, a.scales, b.codes, b.scales, **kw)
+        assert da.shape == (M, K) and db.shape == (N, K) and da.dtype == db.dtype == dt
+        assert da.is_contiguous() and db.is_contiguous()
+        assert same_bits(da, dequantize_fp4_blockwise_triton(a.codes, a.scales, **kw)), f"A {dt}"
+        assert same_bits(db, dequantize_fp4_blockwise_triton(b.codes, b.scales, **kw)), f"B {dt}"
+        assert_bitwise(da.float(), ref_a, f"A {dt}")
+        assert_bitwise(db.float(), ref_b, f"B {dt}")
+
+
+@pytest.mark.triton
+def test_pair_zero_and_subnormal_scales(triton_device, gen):
+    """Blocks with scale +-0 (all values exact zeros) and every E4M3 subnormal scale (2^-9 .. 7 * 2^-9), the
+    smallest products (code 1 = 0.5 times 2^-9 = 2^-10) included, in fp16 (fp16 normals) and bf16/fp32."""
+    M, N, K = 9, 17, 16 * 3
+    sub = torch.tensor([0x00, 0x80, 0x01, 0x81, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x87])
+    a = make(torch.randint(0, 16, (M, K), generator=gen), sub[torch.randint(0, len(sub), (M, K // 16),
+                                                                            generator=gen)], 1.0, triton_device)
+    b_codes = torch.ones(N, K, dtype=torch.int64)  # code 1 = 0.5 everywhere
+    b = make(b_codes, sub[torch.arange(N * K // 16) % len(sub)].view(N, K // 16), 1.0, triton_device)
+    for dt in DTYPES:
+        kw = dict(block=16, scale_format="e4m3", dtype=dt)
+        da, db = dequantize_fp4_blockwise_pair_triton(a.codes, a.scales, b.codes, b.scales, **kw)
+        assert same_bits(da, dequantize_fp4_blockwise_triton(a.codes, a.scales, **kw))
+        assert same_bits(db, dequantize_fp4_blockwise_triton(b.codes, b.scales, **kw))
+        assert_bitwise(da.float(), _blockwise_values(to_cpu(a)))
+        assert_bitwise(db.float(), _blockwise_values(to_cpu(b)))
+        assert (db.float().abs().cpu()[db.float().cpu() != 0] >= 2.0**-10).all()
+
+
+@pytest.mark.triton
+def test_pair_strided_inputs_and_e8m0(triton_device, gen):
+    """Codes and scales given as non-contiguous views (row strides wider than the row): the strides are
+    passed per operand. And the MXFP4 scale format (E8M0, block 32, bytes 0 and 0xFF included)."""
+    M, N, K = 23, 41, 16 * 5
+    wide_a = torch.randint(0, 256, (M, K // 2 + 7), generator=gen, dtype=torch.uint8).to(triton_device)
+    wide_b = torch.randint(0, 256, (N, K), generator=gen, dtype=torch.uint8).to(triton_device)
+    sa = torch.randint(0, 256, (M, K // 16 + 3), generator=gen, dtype=torch.uint8).to(triton_device)[:, 1:1 + K // 16]
+    sb = torch.randint(0, 256, (K // 16, N), generator=gen, dtype=torch.uint8).to(triton_device).t()
+    ac, bc = wide_a[:, :K // 2], wide_b[:, 3:3 + K // 2]
+    assert not (ac.is_contiguous() or bc.is_contiguous() or sa.is_contiguous() or sb.is_contiguous())
+    for dt in DTYPES:
+        kw = dict(block=16, scale_format="e4m3", dtype=dt, block_m=16, block_k=32)
+        da, db = dequantize_fp4_blockwise_pair_triton(ac, sa, bc, sb, **kw)
+        assert same_bits(da, dequantize_fp4_blockwise_triton(ac.contiguous(), sa.contiguous(), **kw))
+        assert same_bits(db, dequantize_fp4_blockwise_triton(bc.contiguous(), sb.contiguous(), **kw))
+    Kx = 32 * 3
+    ac = torch.randint(0, 256, (M, Kx // 2), generator=gen, dtype=torch.uint8).to(triton_device)
+    bc = torch.randint(0, 256, (N, Kx // 2), generator=gen, dtype=torch.uint8).to(triton_device)
+    sa = torch.randint(0, 250, (M, Kx // 32), generator=gen, dtype=torch.uint8)  # 6 * 2^(250-127): finite
+    sa[0, 0], sa[1, 1] = 0, 255
+    sa = sa.to(triton_device)
+    sb = torch.randint(100, 150, (N, Kx // 32), generator=gen, dtype=torch.uint8).to(triton_device)
+    for dt in (torch.bfloat16, torch.float32):
+        kw = dict(block=32, scale_format="e8m0", dtype=dt, block_m=16, block_k=32)
+        da, db = dequantize_fp4_blockwise_pair_triton(ac, sa, bc, sb, **kw)
+        assert same_bits(da, dequantize_fp4_blockwise_triton(ac, sa, **kw))
+        assert same_bits(db, dequantize_fp4_blockwise_triton(bc, sb, **kw))
+
+
+class _CountLaunches:
+    """Stands in for a Triton kernel object in kernels.nvfp4.gemm: counts ``kernel[grid]`` launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("engine", ["cublas", "triton"])
+def test_predequant_gemm_one_dequant_launch(triton_device, gen, monkeypatch, engine):
+    """One GEMM of the pre-dequantized design launches the pair kernel once and the single kernel never; its
+    result is the same bits as the GEMM over two single dequantize launches."""
+    M, N, K = 37, 48, 16 * 7
+    a = on(random_operand(gen, M, K), triton_device)
+    b = on(random_operand(gen, N, K, block_2d=True), triton_device)
+    dt = torch.bfloat16 if engine == "cublas" else torch.float16
+    kw = dict(block=16, scale_format="e4m3", dtype=dt)
+    da = dequantize_fp4_blockwise_triton(a.codes, a.scales, **kw)
+    db = dequantize_fp4_blockwise_triton(b.codes, b.scales, **kw)
+    pair = _CountLaunches(gemm._dequant_pair_kernel)
+    single = _CountLaunches(gemm._dequant_kernel)
+    monkeypatch.setattr(gemm, "_dequant_pair_kernel", pair)
+    monkeypatch.setattr(gemm, "_dequant_kernel", single)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = nvfp4_gemm_predequant(a, b, out_dtype, engine=engine)
+        if engine == "cublas":
+            want = gemm_alpha_cublas(da, db, None, out_dtype, amax=(a.amax, b.amax))
+        else:
+            want = gemm_alpha_triton(da, db, gemm._alpha(a, b), out_dtype)
+        assert same_bits(got, want), f"{engine} {out_dtype}"
+    assert (pair.n, single.n) == (2, 0)
+
+
+def test_pair_argument_checks():
+    c = torch.zeros(4, 16, dtype=torch.uint8)
+    s = torch.zeros(4, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="K differ"):
+        dequantize_fp4_blockwise_pair_triton(c, s, torch.zeros(4, 8, dtype=torch.uint8), s[:, :1], block=16,
+                                             scale_format="e4m3", dtype=torch.float16)
+    with pytest.raises(ValueError, match="multiple of the scale block"):
+        dequantize_fp4_blockwise_pair_triton(c[:, :12], s, c[:, :12], s, block=16, scale_format="e4m3",
+                                             dtype=torch.float16)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        dequantize_fp4_blockwise_pair_triton(c, s, c, s, block=16, scale_format="e4m3", dtype=torch.int8)
+    with pytest.raises(ValueError, match="E8M0"):
+        dequantize_fp4_blockwise_pair_triton(c, s[:, :1], c, s[:, :1], block=32, scale_format="e8m0",
+                                             dtype=torch.float16)
+
