@@ -74,7 +74,7 @@ KERNEL_CATEGORIES: dict[str, str] = {
     "mamba": r"chunk|state_passing|bmm_chunk|causal_conv1d|selective|ssd|_layer_norm_fwd|_layer_norm_bwd"
              r"|rmsnorm_gated|mamba",
     "attention": r"flash|fmha|sdpa|attention|cudnn",
-    "optimizer": r"multi_tensor|adam|foreach|lamb|_amp_|clip",
+    "optimizer": r"multi_tensor|adam|foreach|\blamb\b|_amp_|clip_grad",  # not "lambda" (PyTorch's kernel names)
     "nccl": r"nccl",
     "norm/elementwise/other": r"",
 }

@@ -213,7 +213,8 @@ def _quantize_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Grouped design (default): every thread owns the same positions of 16 consecutive rows
+# Grouped design (the default, "grouped_lean", is this kernel with LEAN): every thread owns the same
+# positions of 16 consecutive rows
 # ----------------------------------------------------------------------------------------------------------
 #
 # A program owns the [BM, BK] tile at (m0, k0) and loads it as 16 tensors x0..x15 of shape [G, KB, 16]
@@ -764,10 +765,12 @@ def _native_cvt(x: torch.Tensor) -> bool:
 # instead, a few more instructions), a fallback should a PTX step misbehave on some GPU or Triton version.
 # "grouped" and "tiled" are the earlier designs, kept so that one run can measure them side by side.
 DESIGNS = ("grouped_lean", "grouped_lean_noasm", "grouped", "tiled")
-# The default is the design verified bitwise on the H200 by the whole GPU test suite (docs/benchmarks.md).
+# The default is "grouped_lean": on the H200 (session 6, docs/benchmarks.md) every kernel test and the GPU model
+# tests passed with it as the default (fp32 input included, after the columnwise-scale fix), and it quantizes
+# with stochastic rounding 1.36-1.42x faster than "grouped" at K = 20480 (round-to-nearest: the same speed).
 # NVFP4_QUANTIZE_DESIGN=<design> overrides it for a process (read once, at import): how the GPU suite and
 # the benchmarks exercise the other designs through the public API.
-DEFAULT_DESIGN = os.environ.get("NVFP4_QUANTIZE_DESIGN", "grouped")
+DEFAULT_DESIGN = os.environ.get("NVFP4_QUANTIZE_DESIGN", "grouped_lean")
 if DEFAULT_DESIGN not in DESIGNS:
     raise ValueError(f"NVFP4_QUANTIZE_DESIGN={DEFAULT_DESIGN!r} is not one of {DESIGNS}")
 
