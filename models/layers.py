@@ -23,6 +23,25 @@ def param_device(config: TransformerConfig):
     return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
 
+def rms_norm_composite(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` in float32, returned in x's dtype, as separate torch ops (autograd
+    saves two fp32 copies of x for backward)."""
+    v = x.float()
+    v = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)
+    return (v * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The same arithmetic by ``torch.nn.functional.rms_norm`` when the weight has x's dtype. On CPU it is the
+    composite arithmetic of :func:`rms_norm_composite`, bit for bit; on CUDA torch dispatches it to a fused kernel
+    each way that accumulates in fp32 and saves only x and the per-row rstd for backward instead of two fp32
+    copies of x (tests/models/test_norm.py checks both; the CUDA one is a ``gpu`` test). A weight of another
+    dtype (an fp32 weight with bf16 activations) takes the composite path."""
+    if weight.dtype == x.dtype:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    return rms_norm_composite(x, weight, eps)
+
+
 class RMSNorm(torch.nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * weight``, computed in float32, returned in x's dtype.
 
@@ -39,9 +58,7 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        v = x.float()
-        v = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
-        return (v * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
