@@ -32,10 +32,29 @@ includes the profiler's own CPU overhead, so the idle fraction is an upper bound
 kernel launches, the kernel time per category (``KERNEL_CATEGORIES``: kernel-name regexes, first match wins) and
 the 15 kernels with the most time; ``DIR/<case>_<recipe>_kernels.csv`` lists every kernel (name, category,
 count, total us). Without CUDA there are no kernel events: busy time 0 and a note "no CUDA events". The
-profiled step is not part of the timed steps or the memory readings.
+profiled step is not part of the timed steps or the memory readings. The same record lists the CPU-side CUDA
+runtime/driver calls that block or may block the host (``BLOCKING_CALLS``: cudaStreamSynchronize,
+cudaDeviceSynchronize, cudaEventSynchronize, cudaMemcpy[Async], cudaStreamWaitEvent, cuStreamSynchronize,
+cuCtxSynchronize, cuMemcpy*): name, count, total and longest ms, as the table "host-blocking CUDA calls" and under
+``"runtime_calls"``; and the host time spent in kernel launches (cudaLaunchKernel*, cuLaunchKernel*: count, total
+ms) under ``"launch_calls"``. A cudaMemcpyAsync blocks only when one side is pageable host memory; a long
+cudaStreamSynchronize / cudaMemcpy is where the host waited for the GPU.
+
+``--sync-debug``: after the above (the profiled step included), each case and recipe runs ONE more full training
+step with ``torch.cuda.set_sync_debug_mode("warn")`` (the previous mode restored afterwards, also on error) and
+records every warning it emits with the Python stack at the point of emission (a ``warnings.showwarning`` hook
+calling ``traceback.extract_stack``; torch's TORCH_WARN reaches Python as a warning raised when the op returns to
+its Python caller). Warnings are grouped by (message, the innermost ``SYNC_FRAMES`` frames in files of this repo
+or of megatron / mamba_ssm / torch / triton) and printed as a markdown table (count, message, frames as
+``file:line function``) and stored under ``"sync_debug"`` in the ``--json`` record. Caveat (from reading
+torch's autograd engine, not yet seen on a GPU): a warning from a built-in (C++) backward formula is buffered by
+the engine and replayed when backward ends, so its stack stops at ``loss.backward()``; an op called from a Python
+``autograd.Function.backward`` warns when it returns to that Python code, with its own stack. Without CUDA:
+"sync-debug: no CUDA" and no record.
 
     python3 scripts/bench_train.py --cases slice12b small 1.2b --recipes bf16 fp8 nvfp4 --json out.json
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/   # + kernel breakdown
+    python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/ --sync-debug  # + host syncs
     python3 scripts/bench_train.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
 """
 
@@ -49,7 +68,10 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -134,6 +156,61 @@ def cuda_kernels(prof: torch.profiler.profile) -> list[tuple[str, float, float]]
     return out
 
 
+# CPU-side CUDA runtime/driver calls that block or may block the host (re.match on the event name; a
+# cudaMemcpyAsync blocks when one side is pageable host memory), and the kernel-launch calls.
+BLOCKING_CALLS = (r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy(?!Async)"
+                  r"|cudaMemcpyAsync|cudaStreamWaitEvent|cuStreamSynchronize|cuCtxSynchronize|cuMemcpy")
+LAUNCH_CALLS = r"cudaLaunchKernel|cuLaunchKernel"  # also cudaLaunchKernelExC, cuLaunchKernelEx
+
+
+def runtime_calls(prof: torch.profiler.profile) -> list[tuple[str, float]]:
+    """``(name, duration_us)`` of every host-side CUDA runtime/driver call in the profile (Kineto's
+    "cuda_runtime" / "cuda_driver" activities, CPU side), from the raw Kineto events where this torch has them,
+    else from the CPU FunctionEvents whose name looks like a runtime/driver call (``cuda*`` / ``cu[A-Z]*``)."""
+    out = []
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is not None and hasattr(results, "events"):
+        for e in results.events():
+            if e.device_type() == torch.autograd.DeviceType.CUDA:
+                continue
+            activity = str(e.activity_type()).lower() if hasattr(e, "activity_type") else ""
+            if activity and "runtime" not in activity and "driver" not in activity:
+                continue
+            if hasattr(e, "duration_ns"):
+                dur = e.duration_ns() / 1e3
+            elif hasattr(e, "duration_us"):
+                dur = float(e.duration_us())
+            else:
+                dur = 0.0
+            out.append((e.name(), dur))
+        return out
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA or not re.match(r"cuda[A-Z]|cu[A-Z]", e.name):
+            continue
+        out.append((e.name, e.time_range.end - e.time_range.start))
+    return out
+
+
+def runtime_summary(calls: Iterable[tuple[str, float]], blocking: str = BLOCKING_CALLS,
+                    launch: str = LAUNCH_CALLS) -> dict:
+    """``runtime_calls``: the blocking calls (``blocking`` matches the name's start) grouped by name, most time
+    first (name, count, total_ms, max_ms); ``launch_calls``: count and total ms of the kernel launches."""
+    per: dict[str, list] = {}
+    n_launch, launch_us = 0, 0.0
+    for name, us in calls:
+        if re.match(blocking, name):
+            row = per.setdefault(name, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += us
+            row[2] = max(row[2], us)
+        elif re.match(launch, name):
+            n_launch += 1
+            launch_us += us
+    rows = sorted(({"name": n, "count": c, "total_ms": us / 1e3, "max_ms": mx / 1e3}
+                   for n, (c, us, mx) in per.items()), key=lambda r: (-r["total_ms"], r["name"]))
+    return dict(runtime_calls=rows, launch_calls=dict(count=n_launch, total_ms=launch_us / 1e3))
+
+
 def kernel_summary(kernels: list[tuple[str, float, float]], wall_s: float,
                    categories: dict[str, str] = KERNEL_CATEGORIES) -> tuple[dict, list[dict]]:
     """The profile record (wall, busy, idle fraction, launches, time per category, top kernels) and the
@@ -177,6 +254,7 @@ def profile_step(step: Callable[[], None], path: Path) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
     rec, rows = kernel_summary(cuda_kernels(prof), wall)
+    rec.update(runtime_summary(runtime_calls(prof)))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["name", "category", "count", "total_us"])
@@ -206,7 +284,126 @@ def print_profile(case: str, recipe: str, p: dict) -> None:
         print("|---|---|---|")
         for k in p["top"]:
             print(f"| `{k['name']}` | {k['count']} | {k['total_ms']:.2f} |")
+    if "runtime_calls" in p:
+        print("\nhost-blocking CUDA calls:\n")
+        print("| call | count | total ms | longest ms |")
+        print("|---|---|---|---|")
+        for r in p["runtime_calls"]:
+            print(f"| `{r['name']}` | {r['count']} | {r['total_ms']:.2f} | {r['max_ms']:.2f} |")
+        if not p["runtime_calls"]:
+            print("| (none recorded) | 0 | 0.00 | 0.00 |")
+        lc = p["launch_calls"]
+        print(f"\nkernel-launch calls (cudaLaunchKernel*/cuLaunchKernel*): {lc['count']}, "
+              f"{lc['total_ms']:.2f} ms host time")
     print(f"\nall kernels: {p['csv']}", flush=True)
+
+
+# --sync-debug: the innermost frames kept per warning, and the libraries whose frames count (besides this repo)
+SYNC_FRAMES = 6
+SYNC_LIBS = ("megatron", "mamba_ssm", "torch", "triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _frame_file(filename: str, root: Path = ROOT, libs: tuple[str, ...] = SYNC_LIBS) -> str | None:
+    """``filename`` as shown in the sync-debug table (relative to site-packages or to the repo), or None when the
+    frame is neither in this repo nor in one of ``libs``."""
+    f = filename.replace("\\", "/")
+    if "/site-packages/" in f or "/dist-packages/" in f:
+        tail = re.split(r"/(?:site|dist)-packages/", f)[-1]
+        return tail if tail.split("/")[0] in libs else None
+    r = str(root).rstrip("/") + "/"
+    if f.startswith(r):
+        return f[len(r):]
+    parts = f.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in libs:
+            return "/".join(parts[i:])
+    return None
+
+
+def sync_frames(stack: Iterable, root: Path = ROOT, n: int = SYNC_FRAMES) -> tuple[str, ...]:
+    """The innermost ``n`` frames of ``stack`` (outermost first, as ``traceback.extract_stack`` gives it; items
+    with ``filename``, ``lineno``, ``name``) that are in this repo or a ``SYNC_LIBS`` library, innermost first,
+    as ``file:line function``."""
+    out = []
+    for fr in reversed(list(stack)):
+        shown = _frame_file(fr.filename, root)
+        if shown is not None:
+            out.append(f"{shown}:{fr.lineno} {fr.name}")
+            if len(out) == n:
+                break
+    return tuple(out)
+
+
+def group_sync_warnings(records: Iterable[tuple[str, Iterable]], root: Path = ROOT,
+                        n: int = SYNC_FRAMES) -> list[dict]:
+    """``(message, stack)`` records grouped by (message, ``sync_frames``): count, message, frames; most frequent
+    first."""
+    counts: dict[tuple, int] = {}
+    for message, stack in records:
+        key = (str(message), sync_frames(stack, root, n))
+        counts[key] = counts.get(key, 0) + 1
+    return [dict(count=c, message=m[:300], frames=list(fr))
+            for (m, fr), c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def _is_warnings_frame(fr) -> bool:
+    return Path(fr.filename).name in ("warnings.py", "_py_warnings.py") or fr.name == "_showwarnmsg"
+
+
+@contextmanager
+def warning_stacks() -> Iterator[list[tuple[str, list]]]:
+    """Every warning emitted inside (any thread; filters set to "always") as ``(message, stack)``: the Python
+    stack at the point of emission (``traceback.extract_stack`` in a ``warnings.showwarning`` hook, without the
+    hook's and the warnings module's frames). A C++ TORCH_WARN reaches the hook when the op returns to Python."""
+    records: list[tuple[str, list]] = []
+
+    def hook(message, category, filename, lineno, file=None, line=None) -> None:
+        stack = traceback.extract_stack()[:-1]  # without this hook
+        while stack and _is_warnings_frame(stack[-1]):
+            stack.pop()
+        records.append((str(message), stack))
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        warnings.showwarning = hook  # called instead of the recording; catch_warnings restores it
+        yield records
+
+
+def sync_debug_step(step: Callable[[], None]) -> dict | None:
+    """One more step with ``torch.cuda.set_sync_debug_mode("warn")`` (the previous mode restored, also on error):
+    every warning it emits, with the Python stack where it was emitted, grouped (``group_sync_warnings``). None
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()  # outside the "warn" mode: synchronize itself is a synchronizing call
+    prev = torch.cuda.get_sync_debug_mode()
+    with warning_stacks() as records:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.synchronize()
+    return dict(warnings=len(records), groups=group_sync_warnings(records))
+
+
+def print_sync_debug(case: str, recipe: str, sd: dict) -> None:
+    """The sync-debug step of one case and recipe as a markdown table."""
+    print(f"\n#### sync-debug: {case} / {recipe}\n")
+    if "error" in sd:
+        print(f"sync-debug failed: {sd['error']}")
+        return
+    print(f"{sd['warnings']} warnings in one step, {len(sd['groups'])} distinct (message, stack)\n")
+    if not sd["groups"]:
+        return
+    print(f"| count | message | innermost {SYNC_FRAMES} frames (innermost first) |")
+    print("|---|---|---|")
+    for g in sd["groups"]:
+        msg = g["message"].replace("|", "\\|").replace("\n", " ")
+        frames = "<br>".join(f"`{f}`" for f in g["frames"]) or "(no frame in the repo or its libraries)"
+        print(f"| {g['count']} | {msg} | {frames} |")
+    print(flush=True)
 
 
 def _init_dist() -> None:
@@ -216,7 +413,7 @@ def _init_dist() -> None:
 
 
 def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
-               profile_dir: Path | None = None) -> dict:
+               profile_dir: Path | None = None, sync_debug: bool = False) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from models.build import build_model, transformer_config
@@ -325,6 +522,15 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             res["profile"] = profile_step(step, profile_dir / f"{case}_{recipe}_kernels.csv")
         except Exception as e:
             res["profile"] = dict(error=f"{type(e).__name__}: {e}"[:300])
+    if sync_debug:
+        try:  # nor a sync-debug failure
+            sd = sync_debug_step(step)
+        except Exception as e:
+            sd = dict(error=f"{type(e).__name__}: {e}"[:300])
+        if sd is None:
+            print("sync-debug: no CUDA", flush=True)
+        else:
+            res["sync_debug"] = sd
     return res
 
 
@@ -339,6 +545,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 2 steps")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="profile one more step per case/recipe: kernel breakdown, DIR/<case>_<recipe>_kernels.csv")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="one more step per case/recipe under torch.cuda.set_sync_debug_mode('warn'): every "
+                         "host-GPU synchronization with its Python stack")
     a = ap.parse_args()
     if a.quick:
         a.cases, a.warmup, a.iters = ["tiny"], 1, 2
@@ -347,13 +556,16 @@ def main() -> int:
     for case in a.cases:
         for recipe in a.recipes:
             try:
-                rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile))
+                rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile,
+                                       a.sync_debug))
             except Exception as e:  # report and go on: one failing recipe must not hide the others
                 rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
             r = rows[-1]
             print(json.dumps(r), flush=True)
             if "profile" in r:
                 print_profile(case, recipe, r["profile"])
+            if "sync_debug" in r:
+                print_sync_debug(case, recipe, r["sync_debug"])
     print()
     print("| case | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | TFLOP/s | MFU | peak GiB | before step GiB "
           "| act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 | quantized weight copies GiB |")

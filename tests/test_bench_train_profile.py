@@ -1,19 +1,30 @@
 """Unit tests of bench_train.py's --profile arithmetic: the kernel-interval union, the categories, the summary
-and the kernel extraction (from synthetic events: the real ones need a GPU)."""
+and the kernel extraction, the host-blocking runtime calls (from synthetic events: the real ones need a GPU); and
+of --sync-debug's warning capture and stack grouping (fake warnings and a faked torch.cuda)."""
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from scripts import bench_train
 from scripts.bench_train import (
     KERNEL_CATEGORIES,
+    ROOT,
     cuda_kernels,
+    group_sync_warnings,
     kernel_category,
     kernel_summary,
+    runtime_calls,
+    runtime_summary,
+    sync_debug_step,
+    sync_frames,
     union_length,
+    warning_stacks,
 )
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -128,3 +139,165 @@ def test_cuda_kernels_from_function_events():
         fe("aten::mm", CPU, 0.0, 5.0), fe("gemm_a", CUDA, 1.0, 3.0), fe("range", CUDA, 0.0, 9.0, True),
         fe("Memcpy DtoD (Device -> Device)", CUDA, 4.0, 4.5)])
     assert cuda_kernels(prof) == [("gemm_a", 1.0, 3.0)]
+
+
+def test_runtime_calls_from_kineto_events():
+    events = [_KinetoEvent("aten::mm", CPU, 0, 5000, "cpu_op"),
+              _KinetoEvent("cudaLaunchKernel", CPU, 100, 4000, "cuda_runtime"),
+              _KinetoEvent("cuLaunchKernelEx", CPU, 200, 6000, "cuda_driver"),
+              _KinetoEvent("cudaStreamSynchronize", CPU, 300, 2_500_000, "cuda_runtime"),
+              _KinetoEvent("gemm_a", CUDA, 1000, 2000),
+              _KinetoEvent("ProfilerStep#1", CPU, 0, 9000, "user_annotation", True)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    assert runtime_calls(prof) == [("cudaLaunchKernel", 4.0), ("cuLaunchKernelEx", 6.0),
+                                   ("cudaStreamSynchronize", 2500.0)]
+
+
+def test_runtime_calls_from_function_events():
+    def fe(name, dev, start, end):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(start=start, end=end))
+
+    prof = SimpleNamespace(profiler=SimpleNamespace(), events=lambda: [
+        fe("aten::mm", CPU, 0.0, 5.0), fe("cudaMemcpyAsync", CPU, 1.0, 3.0), fe("gemm_a", CUDA, 1.0, 3.0),
+        fe("cuStreamSynchronize", CPU, 4.0, 14.0), fe("custom_range", CPU, 0.0, 1.0)])
+    assert runtime_calls(prof) == [("cudaMemcpyAsync", 2.0), ("cuStreamSynchronize", 10.0)]
+
+
+def test_runtime_summary():
+    calls = [("cudaLaunchKernel", 4.0), ("cudaLaunchKernel", 6.0), ("cuLaunchKernelEx", 5.0),
+             ("cudaLaunchKernelExC", 5.0),
+             ("cudaStreamSynchronize", 1000.0), ("cudaStreamSynchronize", 3000.0),
+             ("cudaMemcpyAsync", 20.0), ("cudaMemcpy", 500.0), ("cuMemcpyDtoHAsync_v2", 7.0),
+             ("cudaStreamWaitEvent", 1.0), ("cudaDeviceSynchronize", 50.0), ("cudaEventSynchronize", 2.0),
+             ("cuCtxSynchronize", 3.0),
+             ("cudaGetDevice", 1.0), ("cudaEventRecord", 2.0), ("cudaStreamIsCapturing", 1.0)]  # not counted
+    rec = runtime_summary(calls)
+    assert rec["launch_calls"] == dict(count=4, total_ms=pytest.approx(0.020))
+    rows = {r["name"]: r for r in rec["runtime_calls"]}
+    assert set(rows) == {"cudaStreamSynchronize", "cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyDtoHAsync_v2",
+                         "cudaStreamWaitEvent", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                         "cuCtxSynchronize"}
+    assert rows["cudaStreamSynchronize"] == dict(name="cudaStreamSynchronize", count=2, total_ms=4.0, max_ms=3.0)
+    assert rows["cudaMemcpy"]["count"] == 1 and rows["cudaMemcpyAsync"]["count"] == 1  # apart
+    assert [r["name"] for r in rec["runtime_calls"]][:3] == ["cudaStreamSynchronize", "cudaMemcpy",
+                                                             "cudaDeviceSynchronize"]  # most time first
+    assert runtime_summary([]) == dict(runtime_calls=[], launch_calls=dict(count=0, total_ms=0.0))
+
+
+def _frame(filename, lineno, name):
+    return SimpleNamespace(filename=filename, lineno=lineno, name=name)
+
+
+SITE = "/x/.venv/lib/python3.11/site-packages"
+
+
+def test_sync_frames_filters_and_orders():
+    stack = [_frame("/usr/lib/python3.11/runpy.py", 1, "_run_module"),     # outermost: not shown
+             _frame(str(ROOT / "scripts/bench_train.py"), 10, "step"),
+             _frame(f"{SITE}/megatron/core/distributed/ddp.py", 20, "forward"),
+             _frame(f"{SITE}/numpy/core/x.py", 5, "np_thing"),              # not a listed library
+             _frame(str(ROOT / "nvfp4_train/precision/ops.py"), 30, "quantize"),
+             _frame(f"{SITE}/torch/_tensor.py", 40, "item")]                # innermost
+    assert sync_frames(stack) == ("torch/_tensor.py:40 item", "nvfp4_train/precision/ops.py:30 quantize",
+                                  "megatron/core/distributed/ddp.py:20 forward",
+                                  "scripts/bench_train.py:10 step")
+    assert sync_frames(stack, n=2) == ("torch/_tensor.py:40 item", "nvfp4_train/precision/ops.py:30 quantize")
+    # a library checked out outside site-packages counts by its directory name
+    assert sync_frames([_frame("/opt/src/mamba_ssm/ops/ssd.py", 7, "fwd")]) == ("mamba_ssm/ops/ssd.py:7 fwd",)
+    assert sync_frames([_frame("<stdin>", 1, "<module>")]) == ()
+
+
+def test_group_sync_warnings():
+    a = [_frame(str(ROOT / "scripts/bench_train.py"), 10, "step"), _frame(f"{SITE}/torch/_tensor.py", 40, "item")]
+    b = [_frame(str(ROOT / "scripts/bench_train.py"), 12, "step")]
+    deep = [_frame(str(ROOT / f"m{i}.py"), i, f"f{i}") for i in range(10)]
+    msg = "called a synchronizing CUDA operation"
+    records = [(msg, a), (msg, b), (msg, a), ("other", a), (msg, a), (msg, deep),
+               (msg, [_frame("/elsewhere/x.py", 1, "g")] + deep)]  # same innermost 6 frames: one group
+    groups = group_sync_warnings(records)
+    assert groups[0] == dict(count=3, message=msg, frames=["torch/_tensor.py:40 item",
+                                                           "scripts/bench_train.py:10 step"])
+    assert groups[1] == dict(count=2, message=msg, frames=[f"m{i}.py:{i} f{i}" for i in range(9, 3, -1)])
+    assert sorted((g["count"], g["message"], len(g["frames"])) for g in groups[2:]) == [(1, msg, 1),
+                                                                                       (1, "other", 2)]
+    assert sum(g["count"] for g in groups) == len(records)
+    assert group_sync_warnings([]) == []
+
+
+def _emit(msg):
+    warnings.warn(msg)
+
+
+def test_warning_stacks_records_the_python_stack():
+    before = warnings.showwarning
+    with warning_stacks() as records:
+        _emit("one")
+        _emit("one")              # "always": repeated warnings are all recorded
+        warnings.warn("two", DeprecationWarning)
+    assert warnings.showwarning is before
+    assert [m for m, _ in records] == ["one", "one", "two"]
+    here = Path(__file__).name
+    # innermost frame: the emitting function, no frame of the hook or of the warnings module
+    assert records[0][1][-1].name == "_emit" and Path(records[0][1][-1].filename).name == here
+    assert records[0][1][-2].name == "test_warning_stacks_records_the_python_stack"
+    assert records[2][1][-1].name == "test_warning_stacks_records_the_python_stack"
+    assert group_sync_warnings(records)[0]["frames"][0].endswith("_emit")
+
+
+def test_warning_stacks_sees_torch_cpp_warnings():
+    # a TORCH_WARN from C++ reaches Python as a warning when the op returns: the stack is the Python caller's
+    torch._C._set_warnAlways(True)  # TORCH_WARN_ONCE (x.T on a 3-D tensor) warns every time
+    try:
+        with warning_stacks() as records:
+            torch.zeros(2, 3, 4).T
+            torch.zeros(2, 3, 4).T
+    finally:
+        torch._C._set_warnAlways(False)
+    assert len(records) == 2
+    assert records[0][1][-1].name == "test_warning_stacks_sees_torch_cpp_warnings"
+
+
+class _FakeCuda:
+    def __init__(self):
+        self.mode, self.modes, self.syncs = 0, [], 0
+
+    def is_available(self): return True
+    def synchronize(self): self.syncs += 1
+    def get_sync_debug_mode(self): return self.mode
+
+    def set_sync_debug_mode(self, mode):
+        self.mode = mode
+        self.modes.append(mode)
+
+
+def test_sync_debug_step(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(bench_train.torch, "cuda", fake)
+
+    def step():
+        assert fake.mode == "warn"
+        for _ in range(3):
+            _emit("called a synchronizing CUDA operation")
+
+    sd = sync_debug_step(step)
+    assert fake.modes == ["warn", 0] and fake.mode == 0  # restored
+    assert sd["warnings"] == 3 and len(sd["groups"]) == 1 and sd["groups"][0]["count"] == 3
+    assert sd["groups"][0]["frames"][0].endswith("_emit")
+
+
+def test_sync_debug_step_restores_the_mode_on_error(monkeypatch):
+    fake = _FakeCuda()
+    fake.mode = 1
+    monkeypatch.setattr(bench_train.torch, "cuda", fake)
+
+    def step():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        sync_debug_step(step)
+    assert fake.modes == ["warn", 1] and fake.mode == 1
+
+
+def test_sync_debug_step_without_cuda(monkeypatch):
+    monkeypatch.setattr(bench_train.torch.cuda, "is_available", lambda: False)
+    assert sync_debug_step(lambda: pytest.fail("must not run")) is None
