@@ -10,6 +10,11 @@ Subcommands
                         write DIR/requirements.txt, print sizes
   check-site SITE       (on the GPU machine) warn about requirements of the wheels installed in SITE that
                         the environment (SITE + the image's own packages) does not satisfy
+  cuda-archs LIST       validate --cuda-arch (e.g. 90 or 90,100) and print `ARCHS LOCAL_LABEL` (90,100 sm90.sm100)
+  check-sdist SDIST --spec REQ   check that SDIST's file name is REQ's name and pinned version
+  prepare-sdist SDIST --spec REQ --dest DIR [--cuda-arch LIST]
+                        unpack SDIST into DIR (checking its PKG-INFO against REQ), restrict causal-conv1d's setup.py
+                        to LIST's GPU architectures (restrict_gencode), print the source folder
 
 How `plan` resolves: `pip install --dry-run --report` with --python-version/--platform/--implementation and
 --only-binary=:all: (pip's own resolver, the one `pip download` uses; it fetches only metadata). Packages the
@@ -22,6 +27,7 @@ environment, and anything the target needs that pip skipped is added as a root a
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import csv
 import hashlib
@@ -30,6 +36,7 @@ import json
 import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -37,13 +44,14 @@ try:
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
     from packaging.tags import compatible_tags, cpython_tags
-    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename, parse_wheel_filename
     from packaging.version import Version
 except ImportError:  # pip always vendors packaging
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.specifiers import SpecifierSet
     from pip._vendor.packaging.tags import compatible_tags, cpython_tags
-    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+    from pip._vendor.packaging.utils import (InvalidSdistFilename, canonicalize_name, parse_sdist_filename,
+                                             parse_wheel_filename)
     from pip._vendor.packaging.version import Version
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -541,6 +549,194 @@ def cmd_verify(a):
         sys.exit(1)
 
 
+# --------------------------------------------------------------------------------------------- causal-conv1d sdist
+CUDA_ARCH_RE = re.compile(r"\d{2,3}[af]?")  # 90, 100, 90a, 100f: compute capability without the dot
+_GENCODE = 'cc_flag.append("-gencode")'
+_ARCH_LINE = re.compile(r'cc_flag\.append\("arch=compute_(\w+),code=sm_(\w+)"\)')
+_VERSION_IF = re.compile(r'if bare_metal_version >= Version\("[\d.]+"\):')
+
+
+class GencodeError(ValueError):
+    """setup.py does not have the -gencode block restrict_gencode knows (causal-conv1d 1.7.0's)."""
+
+
+def parse_cuda_archs(text: str) -> list[str]:
+    """'90' / '90,100' / '90a' -> ['90', '100', ...] (order kept, duplicates dropped); ValueError otherwise."""
+    archs = [x.strip() for x in text.split(",")]
+    if not text.strip() or not all(CUDA_ARCH_RE.fullmatch(x) for x in archs):
+        raise ValueError(f"--cuda-arch wants compute capabilities without the dot, comma-separated (90 for the "
+                         f"H200's sm_90, 90,100 for sm_90 and sm_100, 90a for sm_90a), got {text!r}")
+    return list(dict.fromkeys(archs))
+
+
+def arch_local_version(archs: list[str]) -> str:
+    """The wheel's local version label for a restricted build: ['90', '100'] -> 'sm90.sm100'."""
+    return ".".join(f"sm{a}" for a in archs)
+
+
+def restrict_gencode(setup_py_text: str, archs: list[str], filename: str = "setup.py") -> str:
+    """Rewrite causal-conv1d's setup.py so that the nvcc `-gencode` flags it appends are exactly
+    `arch=compute_XX,code=sm_XX` for XX in archs.
+
+    causal-conv1d 1.7.0 appends them as one block of `cc_flag.append("-gencode")` /
+    `cc_flag.append("arch=compute_XX,code=sm_XX")` lines, some under `if bare_metal_version >= Version("..."):`
+    (sm_75 ... sm_121 with CUDA 13). That whole block, the ifs included, is replaced by the same kind of lines for
+    archs only; everything else is kept. Anything unexpected (no such block, a line inside it of another kind, an
+    `if` whose body goes on past the block, gencode flags elsewhere in the file) raises GencodeError naming the file,
+    rather than letting a future version build all its architectures silently. torch's cpp_extension adds no
+    architecture flags of its own when the nvcc flags already name one (`arch` in a flag), so these are the only
+    ones compiled."""
+    if not archs:
+        raise ValueError("restrict_gencode: no architectures given")
+    for a in archs:
+        if not CUDA_ARCH_RE.fullmatch(a):
+            raise ValueError(f"restrict_gencode: bad architecture {a!r} (want e.g. '90')")
+    what = (f'the block of `{_GENCODE}` / `cc_flag.append("arch=compute_XX,code=sm_XX")` lines '
+            f'(optionally under `if bare_metal_version >= Version("X.Y"):`) of causal-conv1d 1.7.0\'s setup.py')
+    lines = setup_py_text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip() == _GENCODE]
+    if not starts:
+        raise GencodeError(f"{filename}: expected {what}, found no `{_GENCODE}` line. A causal-conv1d version "
+                           f"other than 1.7.0? Refusing to build with its own (all) architectures.")
+    start = starts[0]
+    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
+    end, kinds, found = start, [], []
+    i = start
+    while i < len(lines):
+        line = lines[i]
+        s = line.strip()
+        ind = line[: len(line) - len(line.lstrip())]
+        if s == "":
+            i += 1
+            continue
+        if not ind.startswith(indent):
+            break
+        m = _ARCH_LINE.fullmatch(s)
+        if s == _GENCODE:
+            kinds.append("g")
+        elif m:
+            if m.group(1) != m.group(2):
+                raise GencodeError(f"{filename}:{i + 1}: expected arch=compute_XX,code=sm_XX with one XX, got {s}")
+            kinds.append("a")
+            found.append(m.group(1))
+        elif _VERSION_IF.fullmatch(s) and ind == indent:
+            kinds.append("i")
+        else:
+            break
+        i += 1
+        end = i
+    if kinds[-1] == "i" or "".join(k for k in kinds if k != "i").replace("ga", "") != "":
+        raise GencodeError(f"{filename}:{start + 1}-{end}: expected {what}: `-gencode` lines each followed by one "
+                           f"`arch=` line, no `if` left without its body; got the sequence {''.join(kinds)!r}")
+    nxt = next((ln for ln in lines[end:] if ln.strip()), "")
+    if len(nxt) - len(nxt.lstrip()) > len(indent):
+        raise GencodeError(f"{filename}:{end + 1}: expected the end of {what}, but the next line is indented deeper "
+                           f"(the body of an `if` of the block?): {nxt.strip()!r}")
+    stray = [f"{n + 1}: {ln.strip()}" for n, ln in enumerate(lines)
+             if not start <= n < end and re.search(r"-gencode|arch=compute_|code=sm_", ln)]
+    if stray:
+        raise GencodeError(f"{filename}: expected {what} to hold all of its -gencode flags; more outside it at "
+                           f"line {'; '.join(stray)}")
+    new = [f"{indent}# scripts/wheelhouse.sh --cuda-arch {','.join(archs)}: only these GPU architectures "
+           f"(causal-conv1d's own list: {', '.join('sm_' + a for a in found)})\n"]
+    for a in archs:
+        new += [f"{indent}{_GENCODE}\n", f'{indent}cc_flag.append("arch=compute_{a},code=sm_{a}")\n']
+    out = "".join(lines[:start] + new + lines[end:])
+    try:
+        ast.parse(out, filename)
+    except SyntaxError as e:
+        raise GencodeError(f"{filename}: the rewritten file does not parse ({e}); not building it") from e
+    return out
+
+
+def pinned(spec: str) -> tuple[Requirement, str]:
+    req = Requirement(spec)
+    pins = [s.version for s in req.specifier if s.operator in ("==", "===")]
+    if len(pins) != 1 or "*" in pins[0]:
+        die(f"{spec}: expected one exact pin (NAME==VERSION) in pyproject")
+    return req, pins[0]
+
+
+def check_sdist(path: Path, spec: str) -> None:
+    """SDIST's file name must be NAME-VERSION.tar.gz with NAME and VERSION those of the pin `spec`."""
+    req, pin = pinned(spec)
+    if not path.is_file():
+        die(f"--sdist {path}: no such file", 2)
+    if not path.name.endswith(".tar.gz"):
+        die(f"--sdist {path}: expected an sdist NAME-VERSION.tar.gz (e.g. causal_conv1d-{pin}.tar.gz)", 2)
+    try:
+        name, version = parse_sdist_filename(path.name)
+    except InvalidSdistFilename as e:
+        die(f"--sdist {path}: not an sdist file name ({e})", 2)
+    if cname(name) != cname(req.name) or not req.specifier.contains(version, prereleases=True):
+        die(f"--sdist {path.name} is {name} {version}, but pyproject pins {spec} (get that one: docs/wheelhouse.md, "
+            f"'Building causal-conv1d on an offline GPU machine')", 2)
+
+
+def unpack_sdist(path: Path, spec: str, dest: Path) -> Path:
+    """Unpack SDIST into DEST (refusing paths outside it), check its PKG-INFO against the pin, return its folder."""
+    req, pin = pinned(spec)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "r:gz") as t:
+        members = t.getmembers()
+        tops = {m.name.split("/")[0] for m in members}
+        if len(tops) != 1:
+            die(f"{path.name}: expected one top folder, found {sorted(tops)[:5]}")
+        for m in members:
+            if m.name.startswith("/") or ".." in m.name.split("/") or m.issym() or m.islnk() or m.isdev():
+                die(f"{path.name}: refusing member {m.name!r} (absolute, '..', link or device)")
+        if hasattr(tarfile, "data_filter"):
+            t.extractall(dest, filter="data")
+        else:
+            t.extractall(dest)
+    src = dest / tops.pop()
+    pkg_info = src / "PKG-INFO"
+    if not pkg_info.is_file():
+        die(f"{path.name}: no PKG-INFO in {src.name}/: not an sdist")
+    headers = {}
+    for line in pkg_info.read_text(encoding="utf-8").split("\n"):
+        if line == "":
+            break
+        k, _, v = line.partition(": ")
+        headers.setdefault(k, v.strip())
+    if cname(headers.get("Name", "")) != cname(req.name) or headers.get("Version") != pin:
+        die(f"{path.name}: its PKG-INFO says {headers.get('Name')} {headers.get('Version')}, pyproject pins {spec}")
+    if not (src / "setup.py").is_file():
+        die(f"{path.name}: no setup.py in {src.name}/")
+    return src
+
+
+def cmd_cuda_archs(a):
+    try:
+        archs = parse_cuda_archs(a.archs)
+    except ValueError as e:
+        die(str(e), 2)
+    print(",".join(archs), arch_local_version(archs))
+
+
+def cmd_check_sdist(a):
+    check_sdist(Path(a.sdist), a.spec)
+
+
+def cmd_prepare_sdist(a):
+    sdist = Path(a.sdist)
+    check_sdist(sdist, a.spec)
+    src = unpack_sdist(sdist, a.spec, Path(a.dest))
+    if a.cuda_arch:
+        try:
+            archs = parse_cuda_archs(a.cuda_arch)
+        except ValueError as e:
+            die(str(e), 2)
+        setup = src / "setup.py"
+        try:
+            setup.write_text(restrict_gencode(setup.read_text(encoding="utf-8"), archs,
+                                              f"{sdist.name}:{src.name}/setup.py"), encoding="utf-8")
+        except GencodeError as e:
+            die(str(e))
+        note(f"{src.name}/setup.py restricted to {', '.join('sm_' + x for x in archs)}")
+    print(src)
+
+
 # --------------------------------------------------------------------------------------------- check-site
 def cmd_check_site(a):
     """Warn (never fail) about requirements of the wheels installed in SITE that this environment lacks."""
@@ -616,6 +812,22 @@ def main(argv=None):
     s = sub.add_parser("check-site")
     s.add_argument("site")
     s.set_defaults(fn=cmd_check_site)
+
+    s = sub.add_parser("cuda-archs")
+    s.add_argument("archs")
+    s.set_defaults(fn=cmd_cuda_archs)
+
+    s = sub.add_parser("check-sdist")
+    s.add_argument("sdist")
+    s.add_argument("--spec", required=True)
+    s.set_defaults(fn=cmd_check_sdist)
+
+    s = sub.add_parser("prepare-sdist")
+    s.add_argument("sdist")
+    s.add_argument("--spec", required=True)
+    s.add_argument("--dest", required=True)
+    s.add_argument("--cuda-arch", default="")
+    s.set_defaults(fn=cmd_prepare_sdist)
 
     a = p.parse_args(argv)
     a.fn(a)

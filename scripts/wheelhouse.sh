@@ -6,7 +6,8 @@
 # What it does, in order:
 #   1. builds here what PyPI has only as sdists: mamba-ssm as a pure-Python wheel (no CUDA ops; Mamba-2 needs
 #      none), sdist-only pure-Python dependencies (antlr4-python3-runtime 4.9.3 for hydra-core), and with
-#      --with-causal-conv1d the CUDA extension causal-conv1d (needs a CUDA torch and nvcc, ~12 min);
+#      --with-causal-conv1d the CUDA extension causal-conv1d (needs a CUDA torch and nvcc, ~12 min; from a local
+#      sdist with --sdist, for some GPU architectures only with --cuda-arch; alone with --only-causal-conv1d);
 #   2. resolves the dependency closure of pyproject.toml ([project.dependencies] + the `gpu` extra) for the TARGET
 #      (pip's resolver with --python-version/--platform/--implementation cp/--only-binary=:all:), leaving out
 #      torch/triton/nvidia-*/cuda-* (the cluster has its own CUDA torch) and, with --minimal or --skip-present,
@@ -37,6 +38,14 @@ usage: scripts/wheelhouse.sh [options]
   --with-causal-conv1d   build causal-conv1d==<pyproject pin> as a CUDA extension (needs --build-python with
                          Python X.Y and a CUDA torch of the cluster's version, and nvcc; ~12 min). A wheel of it
                          already in --out is reused.
+  --sdist FILE           build causal-conv1d from this local sdist (causal_conv1d-<pin>.tar.gz) instead of
+                         downloading it: for a GPU machine without internet (docs/wheelhouse.md says how to get it)
+  --cuda-arch LIST       build causal-conv1d for these GPU architectures only, comma-separated compute
+                         capabilities without the dot (90 = sm_90, the H200; 90,100): rewrites its setup.py in the
+                         unpacked sdist; the wheel's version gets a local label (1.7.0+sm90). Default: its own 9
+  --only-causal-conv1d   build just the causal-conv1d wheel (implies --with-causal-conv1d) into --out, replacing
+                         a causal_conv1d wheel there and its requirements.txt line; nothing else is built,
+                         resolved or downloaded (with --sdist: no network at all)
   --build-python PY      interpreter that builds the sdists and runs pip (default .venv/bin/python, else python3);
                          it needs torch (any build; CUDA for causal-conv1d), setuptools and packaging
   --torch-version V      the cluster's torch, resolved against but not carried (default: from the skip list,
@@ -58,6 +67,9 @@ BUILD_PY=""
 TORCH_VERSION=""
 TRITON_VERSION=""
 KEEP=0
+SDIST=""
+CUDA_ARCH=""
+ONLY_CC=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --python) PYVER=${2:?}; shift 2 ;;
@@ -69,6 +81,11 @@ while [[ $# -gt 0 ]]; do
       SKIP_ARGS+=(--skip-present "$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"); shift 2 ;;
     --carry) SKIP_ARGS+=(--carry "${2:?}"); shift 2 ;;
     --with-causal-conv1d) WITH_CC=1; shift ;;
+    --sdist)
+      [[ -f ${2:?} ]] || { echo "wheelhouse: error: --sdist $2: no such file" >&2; exit 2; }
+      SDIST="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
+    --cuda-arch) CUDA_ARCH=${2:?}; shift 2 ;;
+    --only-causal-conv1d) ONLY_CC=1; WITH_CC=1; shift ;;
     --with-torch) WITH_TORCH=1; shift ;;
     --with-mamba3) WITH_MAMBA3=1; shift ;;
     --build-python) BUILD_PY=${2:?}; shift 2 ;;
@@ -84,6 +101,10 @@ if [[ -z $BUILD_PY ]]; then
   if [[ -x $REPO/.venv/bin/python ]]; then BUILD_PY=$REPO/.venv/bin/python; else BUILD_PY=$(command -v python3); fi
 fi
 command -v "$BUILD_PY" >/dev/null || { echo "wheelhouse: error: build interpreter '$BUILD_PY' not found" >&2; exit 2; }
+if [[ $WITH_CC == 0 && ( -n $SDIST || -n $CUDA_ARCH ) ]]; then
+  echo "wheelhouse: error: --sdist and --cuda-arch apply to causal-conv1d: add --with-causal-conv1d (or --only-causal-conv1d)" >&2
+  exit 2
+fi
 
 die() { echo "wheelhouse: error: $*" >&2; exit 1; }
 say() { echo "== $*" >&2; }
@@ -97,6 +118,19 @@ LOCAL=$WORK/local
 mkdir -p "$LOCAL" "$WORK/dl" "$WORK/house" "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$REPO"
+
+# causal-conv1d options, checked before anything else (no torch, no network needed for this).
+CC_LOCAL_LABEL=""
+if [[ $WITH_CC == 1 ]]; then
+  CC_SPEC=$(helper spec causal-conv1d)
+  CC_VER=${CC_SPEC#*==}
+  if [[ -n $CUDA_ARCH ]]; then
+    arch_out=$(helper cuda-archs "$CUDA_ARCH") || exit 2
+    CUDA_ARCH=${arch_out% *}
+    CC_LOCAL_LABEL=${arch_out#* }
+  fi
+  if [[ -n $SDIST ]]; then helper check-sdist "$SDIST" --spec "$CC_SPEC" || exit 2; fi
+fi
 
 read -r -a PLATFORM_ARGS <<<"$(helper expand-platforms "${PLATFORMS[@]}" | sed 's/[^ ][^ ]*/--platform &/g')"
 TARGET_ARGS=(--only-binary=:all: --python-version "$PYVER" --implementation cp "${PLATFORM_ARGS[@]}")
@@ -112,11 +146,12 @@ LOCAL_TRITON=$("$BUILD_PY" -c 'import triton; print(triton.__version__)' 2>/dev/
 
 # causal-conv1d's prerequisites, checked before anything is built (unless a wheel of it in --out is reused).
 if [[ $WITH_CC == 1 ]]; then
-  CC_SPEC=$(helper spec causal-conv1d)
-  CC_VER=${CC_SPEC#*==}
   CC_TAG=cp${PYMM/./}
+  # The wheel's version: the pin, plus +sm90... with --cuda-arch (a one-architecture wheel is never reused for
+  # the full one, nor the other way round).
+  CC_WVER=$CC_VER${CC_LOCAL_LABEL:++$CC_LOCAL_LABEL}
   shopt -s nullglob
-  reuse=("$OUT"/causal_conv1d-"$CC_VER"-"$CC_TAG"-*.whl)
+  reuse=("$OUT"/causal_conv1d-"$CC_WVER"-"$CC_TAG"-*.whl)
   shopt -u nullglob
   if [[ ${#reuse[@]} == 0 ]]; then
     # A CPython extension against torch's C++ API: it loads only in the interpreter version and the torch
@@ -133,7 +168,58 @@ on PATH or in \$CUDA_HOME/bin, matching torch's CUDA $LOCAL_CUDA."
     if [[ -n $TORCH_VERSION && $TORCH_VERSION != "$LOCAL_TORCH" ]]; then
       echo "wheelhouse: warning: building against torch $LOCAL_TORCH, the cluster runs $TORCH_VERSION: the extension may not load" >&2
     fi
+    "$BUILD_PY" -c 'import setuptools, wheel, packaging' 2>/dev/null || die "--with-causal-conv1d needs setuptools, \
+wheel and packaging in $BUILD_PY (its setup.py imports them; the build is --no-build-isolation)."
+    "$BUILD_PY" -c 'import ninja' 2>/dev/null || echo "wheelhouse: warning: no ninja in $BUILD_PY: torch then \
+compiles causal-conv1d's 4 files one after another, without MAX_JOBS" >&2
   fi
+fi
+
+# Builds causal-conv1d (the prerequisites above are checked) into $LOCAL: from --sdist, else from the sdist
+# downloaded from the index; unpacked in $WORK, its setup.py restricted to --cuda-arch, built from that folder.
+build_causal_conv1d() {
+  local sdist=$SDIST src
+  if [[ -z $sdist ]]; then
+    say "downloading the $CC_SPEC sdist (CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE: metadata without nvcc)"
+    CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE pipq download -q --no-deps --no-binary :all: --no-build-isolation \
+      -d "$WORK/ccdl" "$CC_SPEC" || die "downloading the $CC_SPEC sdist failed (above); offline: pass --sdist"
+    sdist=$(ls "$WORK"/ccdl/causal_conv1d-"$CC_VER".tar.gz 2>/dev/null | head -1)
+    [[ -n $sdist ]] || die "pip download gave no causal_conv1d-$CC_VER.tar.gz: $(ls "$WORK/ccdl")"
+  fi
+  src=$(helper prepare-sdist "$sdist" --spec "$CC_SPEC" --dest "$WORK/ccsrc" ${CUDA_ARCH:+--cuda-arch "$CUDA_ARCH"}) \
+    || die "preparing ${sdist##*/} failed (above)"
+  if [[ -n $CUDA_ARCH ]]; then
+    say "building $CC_SPEC from ${sdist##*/} with CUDA $LOCAL_CUDA for sm_${CUDA_ARCH//,/, sm_} only (version $CC_WVER)"
+  else
+    say "building $CC_SPEC from ${sdist##*/} with CUDA $LOCAL_CUDA (its 9 GPU architectures; about 12 min with nvcc 13.0)"
+  fi
+  CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_LOCAL_VERSION=$CC_LOCAL_LABEL MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+    pipq wheel --no-build-isolation --no-deps --no-index --no-cache-dir -w "$LOCAL" "$src" \
+    || die "building $CC_SPEC failed (above)"
+  ls "$LOCAL"/causal_conv1d-"$CC_WVER"-*.whl >/dev/null 2>&1 \
+    || die "the build gave no causal_conv1d-$CC_WVER-*.whl: $(ls "$LOCAL")"
+}
+
+if [[ $ONLY_CC == 1 ]]; then
+  if [[ ${#reuse[@]} -gt 0 ]]; then
+    say "${reuse[0]##*/} is already in $OUT (delete it to rebuild); nothing to do"
+    exit 0
+  fi
+  build_causal_conv1d
+  built=$(ls "$LOCAL"/causal_conv1d-"$CC_WVER"-*.whl | head -1)
+  rm -f "$OUT"/causal_conv1d-*.whl
+  cp "$built" "$OUT/"
+  if [[ -f $OUT/requirements.txt ]]; then
+    { grep -v -i -E '^causal[-_]conv1d==' "$OUT/requirements.txt" || true; echo "causal-conv1d==$CC_WVER"; } >"$WORK/req.txt"
+    cp "$WORK/req.txt" "$OUT/requirements.txt"
+  fi
+  mkdir -p "$WORK/only"
+  cp "$built" "$WORK/only/"
+  VERIFY_ARGS=(--python "$PYVER")
+  for p in "${PLATFORMS[@]}"; do VERIFY_ARGS+=(--platform "$p"); done
+  helper verify "$WORK/only" "${VERIFY_ARGS[@]}" || die "${built##*/} does not install on the target (above)"
+  say "built $OUT/${built##*/} ($(du -h "$built" | cut -f1)); the rest of the wheelhouse was not touched"
+  exit 0
 fi
 
 # ---------------------------------------------------------------------------------------- 1. builds
@@ -157,10 +243,7 @@ if [[ $WITH_CC == 1 ]]; then
     say "reusing ${reuse[0]##*/} from $OUT (delete it to rebuild)"
     cp "${reuse[0]}" "$LOCAL/"
   else
-    say "building $CC_SPEC with CUDA $LOCAL_CUDA (9 fixed GPU architectures; about 12 min with nvcc 13.0)"
-    CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-      pipq wheel --no-build-isolation --no-deps --no-cache-dir -w "$LOCAL" "$CC_SPEC" \
-      || die "building $CC_SPEC failed (above)"
+    build_causal_conv1d
   fi
 fi
 
