@@ -3,16 +3,19 @@ names the first bad layer; telemetry off does no work."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nvfp4_train.precision import telemetry as tel_mod
 from nvfp4_train.precision.megatron_linear import QuantColumnParallelLinear, QuantRowParallelLinear
 from nvfp4_train.precision.recipe import named_recipe
 from nvfp4_train.precision.telemetry import (
     OPERAND_NAMES,
+    LayerTelemetry,
     collect_telemetry,
     first_nonfinite_layer,
     nonfinite_events,
@@ -147,3 +150,128 @@ def test_first_nonfinite_layer(gen, recipe):
     set_nonfinite_check(model, False)
     step()
     assert first_nonfinite_layer(model) is None
+
+
+# -- the non-finite check's kernel launches and its equivalence with the isfinite/where formulation
+
+# operators that launch no kernel (as scripts/launch_inventory.py counts)
+_NO_KERNEL = {"view", "_unsafe_view", "reshape", "t", "transpose", "expand", "as_strided", "alias", "detach",
+              "slice", "select", "unsqueeze", "squeeze", "permute", "split", "unbind", "lift_fresh", "empty",
+              "empty_strided", "new_empty", "set_"}
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def kernels(self):
+        return [op for op in self.ops if op not in _NO_KERNEL]
+
+
+def _old_first_bad(prev, t, clock):
+    """The previous formulation (10 kernel launches per check), with an empty tensor taken as finite."""
+    now = next(clock)
+    if t.numel() == 0:
+        bad = torch.tensor(False)
+    else:
+        bad = ~torch.isfinite(torch.linalg.vector_norm(t.detach(), float("inf")))
+    now = torch.where(bad, now, tel_mod._NEVER)
+    return now if prev is None else torch.minimum(prev, now)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.layer_name = name
+        self.quant_telemetry = LayerTelemetry()
+
+
+def _tensor(kind, dtype, shape, gen):
+    if kind == "empty":
+        return torch.empty(0, *shape[1:], dtype=dtype)
+    t = torch.randn(*shape, generator=gen).to(dtype)
+    if kind == "large":  # finite, near the dtype's largest value
+        t.view(-1)[-1] = torch.finfo(dtype).max
+    elif kind != "finite":
+        t.view(-1)[int(torch.randint(t.numel(), (), generator=gen))] = {"inf": float("inf"), "-inf": float("-inf"),
+                                                                        "nan": float("nan")}[kind]
+    return t
+
+
+def test_nonfinite_check_launches_four_kernels_and_never_syncs():
+    tel = LayerTelemetry()
+    x = torch.randn(16, 8).bfloat16()
+    x32 = x.float()
+    with _Ops() as first:
+        tel.check_output(x)
+    tel.check_input_grad(x)
+    with _Ops() as later:
+        tel.check_output(x)
+        tel.check_input_grad(x)
+        tel.check_input_grad(x32)
+    assert first.kernels == ["linalg_vector_norm", "full", "add", "nan_to_num"]
+    assert later.kernels == ["linalg_vector_norm", "add", "nan_to_num", "minimum"] * 3
+    with _Ops() as empty:
+        tel.check_output(torch.empty(0, 8, dtype=torch.bfloat16))
+    assert empty.kernels == []
+    for rec in (first, later):
+        assert not {"_local_scalar_dense", "item", "is_nonzero", "nonzero"} & set(rec.ops)
+    assert tel.forward_bad.dtype == torch.float64 and tel.forward_bad.dim() == 0
+
+
+def test_nonfinite_check_matches_the_isfinite_formulation(monkeypatch):
+    """Random sequences of checks over 3 layers, both directions, bf16/fp16/fp32, finite, ±inf, NaN, empty,
+    1-element and near-max tensors, with resets: the same times and events as the old formulation."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [_Layer(f"L{i}") for i in range(3)]
+    model = torch.nn.ModuleList(layers)
+    kinds = ["finite"] * 6 + ["large", "inf", "-inf", "nan", "empty"]
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    shapes = [(4, 8), (1,), (1, 1), (3, 5, 7)]
+    for trial in range(20):
+        monkeypatch.setattr(tel_mod, "_clock", itertools.count())
+        ref_clock = itertools.count()
+        ref = {(i, d): None for i in range(3) for d in ("forward", "backward")}
+        reset_nonfinite(model)
+        for n in range(40):
+            i = int(torch.randint(3, (), generator=gen))
+            d = ("forward", "backward")[int(torch.randint(2, (), generator=gen))]
+            kind = kinds[int(torch.randint(len(kinds), (), generator=gen))] if trial % 4 else "finite"
+            if trial % 4 == 1 and kind not in ("empty", "large"):
+                kind = "finite" if n % 7 else kind  # sparse bad values
+            t = _tensor(kind, dtypes[int(torch.randint(3, (), generator=gen))],
+                        shapes[int(torch.randint(len(shapes), (), generator=gen))], gen)
+            tel = layers[i].quant_telemetry
+            (tel.check_output if d == "forward" else tel.check_input_grad)(t)
+            ref[i, d] = _old_first_bad(ref[i, d], t, ref_clock)
+            if n % 13 == 12:
+                want = sorted((int(v), f"L{i}", d) for (i, d), v in ref.items()
+                              if v is not None and int(v) != tel_mod._NEVER)
+                assert nonfinite_events(model) == want, (trial, n)
+                assert first_nonfinite_layer(model) == (want[0][1] if want else None)
+                for (j, dd), v in ref.items():
+                    got = getattr(layers[j].quant_telemetry, f"{dd}_bad")
+                    assert (tel_mod._NEVER if got is None else int(got)) == (
+                        tel_mod._NEVER if v is None else int(v)), (trial, n, j, dd)
+            if n == 25 and trial % 3 == 2:
+                reset_nonfinite(model)
+                ref = dict.fromkeys(ref)
+
+
+def test_nonfinite_times_stay_exact_past_float32(monkeypatch):
+    """Times are kept in float64: a time beyond 2**24 (and near 2**53) comes back exactly."""
+    for start in (2**24 + 1, 2**53 - 3):
+        tel = LayerTelemetry()
+        model = torch.nn.ModuleList([_Layer("A")])
+        model[0].quant_telemetry = tel
+        monkeypatch.setattr(tel_mod, "_clock", itertools.count(start))
+        tel.check_output(torch.ones(3))
+        tel.check_output(torch.tensor([1.0, float("nan")]).bfloat16())
+        tel.check_output(torch.tensor([float("inf")]))
+        assert nonfinite_events(model) == [(start + 1, "A", "forward")]
