@@ -275,3 +275,25 @@ def test_nonfinite_times_stay_exact_past_float32(monkeypatch):
         tel.check_output(torch.tensor([1.0, float("nan")]).bfloat16())
         tel.check_output(torch.tensor([float("inf")]))
         assert nonfinite_events(model) == [(start + 1, "A", "forward")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nonfinite_check_on_cuda(dtype):
+    # the check relies on add(prev, max|t|, alpha=0) giving NaN for an inf/NaN max on the GPU's kernels too
+    # (IEEE 0 * inf = NaN, no alpha == 0 shortcut): checked on CPU by the tests above, here on CUDA
+    tel = LayerTelemetry()
+    dev = "cuda"
+    tel.check_output(torch.ones(64, 32, dtype=dtype, device=dev))
+    assert tel.forward_bad is not None and float(tel.forward_bad) == float(tel_mod._NEVER)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t = LayerTelemetry()
+        x = torch.ones(64, 32, dtype=dtype, device=dev)
+        t.check_output(x)                      # fine: no time recorded
+        x[3, 7] = bad
+        t.check_output(x)                      # the first bad one: its time is kept
+        first = float(t.forward_bad)
+        assert first != float(tel_mod._NEVER) and first == first, (dtype, bad)  # a time, not NEVER or NaN
+        t.check_output(x)                      # a later bad one does not replace it
+        assert float(t.forward_bad) == first
