@@ -138,8 +138,11 @@ class MambaMixer(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, **_unused) -> tuple[torch.Tensor, None]:
         d, g, n, h, p = self.d_inner_local, self.ngroups_local, self.state_dim, self.nheads_local, self.head_dim
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, w] (the full sequence under SP)
-        zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, w]
-        z, xbc, dt = torch.split(zxbcdt, [d, d + 2 * g * n, h], dim=-1)
+        # split in [s, b, w] order, then transpose each part to [b, s, .]: the same views (shapes, strides,
+        # values) as splitting zxbcdt.transpose(0, 1), but the split's backward now concatenates dz, dxBC, ddt
+        # into a contiguous [s, b, w] grad, the layout in_proj's backward uses (splitting the transposed
+        # tensor made it [b, s, w], which megatron's dgrad matmul and wgrad each copied to [s, b, w])
+        z, xbc, dt = (t.transpose(0, 1) for t in torch.split(zxbcdt, [d, d + 2 * g * n, h], dim=-1))
         xbc = causal_conv1d(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
                             activation="silu").transpose(1, 2)
         x, B, C = torch.split(xbc, [d, g * n, g * n], dim=-1)
