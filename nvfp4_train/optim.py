@@ -7,16 +7,27 @@ global norm.
 
 Non-finite gradients: the optimizer gets megatron's ``ConstantGradScaler(1.0)`` (``loss_scale=1.0``). For
 bf16 that scaler only turns on megatron's found-inf path: before the update every rank checks its main
-gradients, the flag is all-reduced (MAX), and ``optimizer.step()`` returns ``(False, None, None)`` without
-touching the weights. Multiplying by the inverse scale 1.0 is exact, so the update is bitwise the one without
-a scaler. No loss scaling happens (``grad_scale_func`` is not set).
+gradients, the flag is all-reduced (MAX), and :func:`optimizer_step` (as megatron's ``step()``) returns
+``(False, None, None)`` without touching the weights. Multiplying by the inverse scale 1.0 is exact, so the
+update is bitwise the one without a scaler. No loss scaling happens (``grad_scale_func`` is not set).
+
+Gradient clipping without host synchronization: megatron's own ``clip_grad`` is set to 0 in the
+``OptimizerConfig`` and the optimizer is stepped by :func:`optimizer_step` (megatron's public
+``prepare_grads()`` and ``step_with_ready_grads()`` around :func:`clip_grad_norm_sync_free`). Without Apex or
+Transformer Engine megatron's clipping runs its PyTorch fallbacks: one ``torch.norm`` and one host sync per
+gradient tensor, a host-side decision ``clip_coeff < 1.0``, one multiply and copy per tensor. Here the norm
+is one ``torch._foreach_norm``, the coefficient stays on the device (``min(1, max_norm / (norm + 1e-6))``)
+and every gradient is multiplied by it in one ``torch._foreach_mul_``: a step that does not clip multiplies
+by exactly 1.0, so its update is bitwise megatron's. The grad norm comes back as a 0-d device tensor; the
+trainer reads it on the host only when it logs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OptimConfig", "build_ddp", "build_optimizer"]
+__all__ = ["OptimConfig", "build_ddp", "build_optimizer", "megatron_optimizer_config", "optimizer_step",
+           "clip_grad_norm_sync_free"]
 
 
 @dataclass(kw_only=True)
@@ -66,15 +77,16 @@ def build_ddp(module, cfg: OptimConfig):
     return DistributedDataParallel(module.config, ddp_config, module)
 
 
-def build_optimizer(model_chunks: list, cfg: OptimConfig, *, lr: float, min_lr: float):
-    """megatron-core's optimizer over ``model_chunks`` (DDP-wrapped), FP32 master weights for bf16 params."""
+def megatron_optimizer_config(model_chunks: list, cfg: OptimConfig, *, lr: float, min_lr: float):
+    """megatron's ``OptimizerConfig`` for ``cfg``, with megatron's ``clip_grad=0``: the clipping is
+    :func:`optimizer_step`'s (``cfg.clip_grad``)."""
     import torch
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig
 
     tcfg = model_chunks[0].config
     bf16 = tcfg.params_dtype == torch.bfloat16 or getattr(tcfg, "bf16", False)
     fp16 = getattr(tcfg, "fp16", False)
-    opt_config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam",
         lr=lr,
         min_lr=min_lr,
@@ -83,7 +95,7 @@ def build_optimizer(model_chunks: list, cfg: OptimConfig, *, lr: float, min_lr: 
         adam_beta2=cfg.adam_beta2,
         adam_eps=cfg.adam_eps,
         decoupled_weight_decay=True,
-        clip_grad=cfg.clip_grad,
+        clip_grad=0.0,  # clipped by optimizer_step (no host sync), with cfg.clip_grad
         bf16=bf16,
         fp16=fp16,
         params_dtype=tcfg.params_dtype,
@@ -91,4 +103,122 @@ def build_optimizer(model_chunks: list, cfg: OptimConfig, *, lr: float, min_lr: 
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_param_gather=cfg.overlap_param_gather,
     )
-    return get_megatron_optimizer(opt_config, model_chunks)
+
+
+def build_optimizer(model_chunks: list, cfg: OptimConfig, *, lr: float, min_lr: float):
+    """megatron-core's optimizer over ``model_chunks`` (DDP-wrapped), FP32 master weights for bf16 params.
+    Step it with ``optimizer_step(optimizer, cfg.clip_grad)``: its own ``step()`` does not clip."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(megatron_optimizer_config(model_chunks, cfg, lr=lr, min_lr=min_lr), model_chunks)
+
+
+def _stats_device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sum_of_squares(grads: list, group):
+    """The squared L2 norm of ``grads`` (fp32, shape [1], on the device), summed over ``group`` as
+    megatron's ``get_grad_norm_fp32`` sums it (over the data-parallel group of DTensor gradients first).
+    Always runs the collective, also with no gradients on this rank (the other ranks wait for it)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
+    dp_group = None
+    for g in grads:
+        dp_group = get_data_parallel_group_if_dtensor(g, dp_group)
+    grads = [to_local_if_dtensor(g) for g in grads]
+    if grads:
+        norms = torch._foreach_norm(grads)
+        total = torch.stack(norms).float().square().sum().reshape(1)
+    else:
+        total = torch.zeros(1, dtype=torch.float32, device=_stats_device())
+    if dp_group:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
+
+
+def _grads_to_clip(opt) -> list:
+    """The gradients megatron's ``clip_grad_by_total_norm_fp32(opt.get_parameters(), ...)`` scales: the
+    parameters' ``.grad`` (the distributed optimizer: its FP32 main-parameter shards', views of the FP32
+    gradient buffer), or ``.decoupled_grad`` with the precision-aware optimizer."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    out = []
+    for p in opt.get_parameters():
+        g = getattr(p, "decoupled_grad", None) if decoupled else p.grad
+        if g is not None:
+            out.append(to_local_if_dtensor(g).detach())
+    return out
+
+
+def clip_grad_norm_sync_free(optimizers: list, max_norm: float, *, shared_group: bool = True):
+    """Megatron's global-norm clipping of the (chained) ``optimizers`` without a host sync; returns the
+    total norm as a 0-d float64 device tensor.
+
+    The norm is over ``get_main_grads_for_grad_norm()`` of each optimizer (no shared parameters, no
+    tensor-parallel duplicates), its square summed over ``get_grad_stats_parallel_group()`` (the
+    distributed optimizer: every rank of the instance, each holding its shard of the gradients) and over
+    the optimizers: one all-reduce for all when they share the group (``shared_group``, as
+    ``ChainedOptimizer.get_grad_norm``), else one per optimizer. The coefficient is megatron's,
+    ``max_norm / (norm + 1e-6)`` in float64 and applied (in fp32) only when below 1, a device-side
+    ``where``: an inf norm gives 0 (megatron zeroes the gradients too), a NaN norm 1 (megatron does not
+    clip). ``max_norm <= 0``: the norm only. Stub optimizers and those without parameters are not clipped."""
+    import torch
+
+    opts = list(optimizers)
+    if shared_group and opts:
+        grads = [g for o in opts for g in o.get_main_grads_for_grad_norm()]
+        total = _sum_of_squares(grads, opts[0].get_grad_stats_parallel_group())
+    else:
+        total = None
+        for o in opts:
+            sq = _sum_of_squares(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group())
+            total = sq if total is None else total + sq
+        if total is None:
+            total = torch.zeros(1, dtype=torch.float32, device=_stats_device())
+    norm = total.double().sqrt()
+    if max_norm > 0.0:
+        grads = [g for o in opts if not getattr(o, "is_stub_optimizer", False) and o.get_parameters()
+                 for g in _grads_to_clip(o)]
+        if grads:
+            coeff = torch.full_like(norm, max_norm).div_(norm + 1.0e-6)  # a true division (max_norm / tensor
+            # would be max_norm * reciprocal: two roundings); a fill, not a host-to-device copy
+            coeff = torch.where(coeff < 1.0, coeff, 1.0).float()
+            torch._foreach_mul_(grads, coeff.to(grads[0].device).reshape(()))
+    return norm.reshape(())
+
+
+def optimizer_step(optimizer, clip_grad: float):
+    """One optimizer step, ``optimizer.step()``'s, with :func:`clip_grad_norm_sync_free` instead of
+    megatron's clipping (built by :func:`build_optimizer`, megatron's ``clip_grad`` is 0). Returns
+    ``(success, grad_norm, num_zeros)`` as megatron's ``step()`` would with ``clip_grad``: ``(False, None,
+    None)`` when ``prepare_grads()`` finds a non-finite gradient; ``grad_norm`` a 0-d device tensor (a
+    ``ChainedOptimizer`` always computes it; a single mixed-precision optimizer returns 0.0 and the FP32
+    one None when ``clip_grad`` is 0); ``num_zeros`` counted when ``log_num_zeros_in_grad`` is set."""
+    import torch
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
+
+    with torch.no_grad():
+        if optimizer.prepare_grads():
+            return False, None, None
+        count = getattr(getattr(optimizer, "config", None), "log_num_zeros_in_grad", False)
+        if isinstance(optimizer, ChainedOptimizer):
+            opts = optimizer.chained_optimizers
+            shared = len(opts) <= 1 or optimizer.grads_states_parallel_group_is_shared()
+            grad_norm = clip_grad_norm_sync_free(opts, clip_grad, shared_group=shared)
+            num_zeros = optimizer.count_zeros() if count else None
+        else:
+            if clip_grad > 0.0:
+                grad_norm = clip_grad_norm_sync_free([optimizer], clip_grad)
+            else:
+                grad_norm = 0.0 if isinstance(optimizer, MixedPrecisionOptimizer) else None
+            num_zeros = optimizer.count_zeros() if count else (0 if isinstance(optimizer, MixedPrecisionOptimizer)
+                                                               else None)
+        success = optimizer.step_with_ready_grads()
+    return success, grad_norm, num_zeros

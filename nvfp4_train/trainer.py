@@ -9,7 +9,8 @@ Optional model methods the trainer uses when present: ``precision_layers()`` (th
 One step: set the step's learning rate (WSD), apply the precision switch when it starts, run megatron's
 ``get_forward_backward_func`` over ``global_batch_size / (micro_batch_size * DP)`` micro-batches (1F1B under
 pipeline parallelism), all-reduce [loss, non-finite flag, signal flag] over the world, then either skip the
-optimizer (non-finite loss) or call it (it skips itself on non-finite gradients: see ``nvfp4_train.optim``).
+optimizer (non-finite loss) or call it (it skips itself on non-finite gradients; the gradient clipping is
+``nvfp4_train.optim.optimizer_step``'s, without host syncs: see ``nvfp4_train.optim``).
 Every ``logging.interval`` steps a metrics record, every ``schedule.eval_interval`` steps a validation pass,
 every ``checkpoint.interval`` steps a checkpoint; SIGTERM/SIGUSR1 finish the step, save and return.
 ``optim.max_consecutive_bad_steps`` skipped steps in a row stop the run (``TrainingDiverged``) with a report
@@ -35,6 +36,7 @@ import torch
 
 from nvfp4_train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, start_checkpoint_writer
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
+from nvfp4_train.optim import optimizer_step
 from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
 from nvfp4_train.spikes import SpikeDetector
 
@@ -509,7 +511,8 @@ class _Trainer:
                 if bad_loss > 0:
                     ok = False
                 else:
-                    ok, grad_norm, _ = self.optimizer.step()
+                    # megatron's step with our sync-free clipping; grad_norm: a device tensor, read at logging
+                    ok, grad_norm, _ = optimizer_step(self.optimizer, cfg.optim.clip_grad)
                 _invalidate_weight_caches(module)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()

@@ -44,7 +44,7 @@ def _build(size: str):
 
     from models.build import build_model, transformer_config
     from models.config import model_config
-    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer
+    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
     mc = model_config(size)
@@ -58,7 +58,7 @@ def _build(size: str):
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(1)
     for p in model.parameters():  # stand-in gradients: the step only has to create the Adam state
         p.main_grad.normal_(generator=g).mul_(1e-3)
-    ok, _, _ = opt.step()
+    ok, _, _ = optimizer_step(opt, OptimConfig().clip_grad)
     assert ok, "the optimizer step was skipped"
     return ddp, opt, mc
 

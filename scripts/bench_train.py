@@ -419,7 +419,7 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
     from models.build import build_model, transformer_config
     from models.config import count_parameters, model_config
     from models.flops import training_flops_per_token
-    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer
+    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
     from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, quant_layers, set_weight_cache
     from nvfp4_train.precision.operand import operand_nbytes
@@ -458,7 +458,7 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             after_forward()
             loss.backward()
             ddp.finish_grad_sync()
-            opt.step()
+            optimizer_step(opt, OptimConfig().clip_grad)
             invalidate_weight_caches(model)
     else:
         def step(after_forward=no_mark) -> None:

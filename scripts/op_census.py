@@ -137,7 +137,7 @@ def build_step(case: str, recipe: str, seq: int, mb: int):
 
     from models.build import build_model, transformer_config
     from models.config import model_config
-    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer
+    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
     from nvfp4_train.parallel.setup import init_single_process
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
     from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
@@ -164,7 +164,7 @@ def build_step(case: str, recipe: str, seq: int, mb: int):
         loss = ddp(ids, pos, None, labels=ids).float().mean()
         loss.backward()
         ddp.finish_grad_sync()
-        opt.step()
+        optimizer_step(opt, OptimConfig().clip_grad)
         invalidate_weight_caches(model)
 
     return step

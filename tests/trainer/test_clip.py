@@ -1,0 +1,345 @@
+"""The sync-free gradient clipping (``nvfp4_train.optim.optimizer_step``) against megatron's own
+``optimizer.step()`` (``clip_grad`` in its ``OptimizerConfig``), in process on CPU: megatron-core's GPTModel
+(local spec, bf16, FP32 gradient buffers, the distributed optimizer, a ``ChainedOptimizer``).
+
+- clipping inactive (a large ``clip_grad``, or 0): the parameters, master weights and Adam moments after a
+  few steps are bitwise megatron's (a multiply by exactly 1.0 changes no bit);
+- clipping active: the grad norm agrees within a derived fp32 bound, the parameters within a small one;
+- no host sync inside the clipping (``aten._local_scalar_dense``, what ``.item()``/``float()``/``bool()``
+  of a tensor dispatch to, counted with a ``TorchDispatchMode``);
+- non-finite norms do what megatron does (inf: the gradients are zeroed; NaN: not clipped), no gradients;
+- ``-m dist``: two gloo ranks, DP=2 (the distributed optimizer's sharded gradients, the norm all-reduced
+  over both ranks) and TP=2 (tensor-parallel duplicates filtered), the same comparisons on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nvfp4_train.optim import (OptimConfig, build_ddp, build_optimizer, clip_grad_norm_sync_free,
+                               megatron_optimizer_config, optimizer_step)
+from tests.precision.mcore_util import free_port, megatron_single_rank
+
+VOCAB, HIDDEN, FFN, LAYERS, SEQ, MICRO = 128, 32, 64, 2, 16, 4
+LR = 1e-2
+STEPS = 4
+FP32_U = 2.0 ** -24  # unit roundoff of fp32
+
+
+def _model(tp: int = 1):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    tconfig = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=4, kv_channels=8,
+        init_method_std=0.05, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, bf16=True,
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, tensor_model_parallel_size=tp,
+        add_bias_linear=True)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    model = GPTModel(config=tconfig, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, share_embeddings_and_output_weights=True,
+                     position_embedding_type="rope")
+    return model.to(torch.bfloat16)
+
+
+def _setup(clip: float, *, megatron_clip: bool, tp: int = 1):
+    """DDP-wrapped stand-in and its optimizer: ours (megatron's clip_grad 0) or megatron's (clip_grad=clip)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    model = _model(tp)
+    ocfg = OptimConfig(clip_grad=clip)
+    ddp = build_ddp(model, ocfg)
+    if megatron_clip:
+        conf = dataclasses.replace(megatron_optimizer_config([ddp], ocfg, lr=LR, min_lr=0.0), clip_grad=clip)
+        opt = get_megatron_optimizer(conf, [ddp])
+    else:
+        opt = build_optimizer([ddp], ocfg, lr=LR, min_lr=0.0)
+        assert all(o.config.clip_grad == 0.0 for o in opt.chained_optimizers)
+    return model, ddp, opt
+
+
+def _batch(step: int, rank: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+    return ids, torch.arange(SEQ)[None].expand(MICRO, SEQ)
+
+
+def _fb(ddp, opt, step: int, rank: int = 0) -> None:
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ids, pos = _batch(step, rank)
+    loss = ddp(ids, pos, None, labels=ids).float().mean() * 100.0  # large enough gradients to clip
+    loss.backward()
+    ddp.finish_grad_sync()
+
+
+def _train(clip: float, *, megatron_clip: bool, tp: int = 1, rank: int = 0):
+    """STEPS steps; returns (grad norms as floats, model params, fp32 master params, Adam state, an upper
+    bound on the number of gradient elements in the norm: this rank's times the ranks)."""
+    model, ddp, opt = _setup(clip, megatron_clip=megatron_clip, tp=tp)
+    norms = []
+    for step in range(STEPS):
+        _fb(ddp, opt, step, rank)
+        ok, gn, _ = opt.step() if megatron_clip else optimizer_step(opt, clip)
+        assert ok
+        norms.append(float(gn))
+    params = [p.detach().clone() for p in model.parameters()]
+    main = [p.detach().clone() for o in opt.chained_optimizers for p in o.get_parameters()]
+    state = [t.clone() for o in opt.chained_optimizers for st in o.optimizer.state.values()
+             for t in st.values() if isinstance(t, torch.Tensor)]
+    n_elems = sum(g.numel() for o in opt.chained_optimizers for g in o.get_main_grads_for_grad_norm())
+    n_elems *= dist.get_world_size()
+    return norms, params, main, state, n_elems
+
+
+def _bitwise(a: list, b: list, what: str) -> None:
+    assert len(a) == len(b) and len(a) > 0, what
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, (what, i)
+        assert torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
+                           y.view(torch.int16 if y.element_size() == 2 else torch.int32)), (what, i)
+
+
+def _norm_bound(n_elems: int) -> float:
+    """Relative bound between two fp32 evaluations of sqrt(sum g^2) over n_elems gradient elements: each
+    sum of squares (squares rounded, then summed in any order, also over per-tensor norms) is within
+    gamma_n = n u / (1 - n u) of the exact sum (Higham, nonnegative terms), its square root within
+    gamma_n / 2 + u of the exact norm (plus one rounding of megatron's norm-of-norms squared); the two
+    differ by at most twice that."""
+    n = n_elems + 4
+    gamma = n * FP32_U / (1 - n * FP32_U)
+    return 2 * (gamma / 2 + 3 * FP32_U)
+
+
+def _check_inactive(clip: float, tp: int = 1, rank: int = 0) -> None:
+    ref = _train(clip, megatron_clip=True, tp=tp, rank=rank)
+    got = _train(clip, megatron_clip=False, tp=tp, rank=rank)
+    if clip > 0:
+        assert max(ref[0]) < clip, "the clipping was supposed to stay inactive"
+    _bitwise(got[1], ref[1], "model params")
+    _bitwise(got[2], ref[2], "fp32 master params")
+    _bitwise(got[3], ref[3], "Adam state")
+    # the norms (ChainedOptimizer.step returns one also with clip_grad 0)
+    bound = _norm_bound(ref[4])
+    for a, b in zip(got[0], ref[0]):
+        assert b > 0 and abs(a - b) <= bound * b, (a, b, bound)
+
+
+def _check_active(tp: int = 1, rank: int = 0) -> None:
+    clip = 0.5
+    ref = _train(clip, megatron_clip=True, tp=tp, rank=rank)
+    got = _train(clip, megatron_clip=False, tp=tp, rank=rank)
+    assert min(ref[0]) > 2 * clip, f"the clipping was supposed to be active: norms {ref[0]}"
+    bound = _norm_bound(ref[4])
+    for a, b in zip(got[0], ref[0]):
+        assert abs(a - b) <= bound * b, (a, b, bound)
+    # the clipping coefficients differ as the norms do (measured on one rank: 5e-8 relative, bound 1.3e-3):
+    # Adam normalizes the gradient scale away, so after 4 steps of lr 1e-2 the fp32 master weights differ by
+    # ~1 fp32 ulp (measured 1.2e-7; bound 1e-2 * lr) and the bf16 parameters by at most one bf16 ulp where a
+    # master weight sits at a rounding boundary (measured 1.2e-4 = one ulp of a weight ~0.03; rtol 2^-7)
+    for x, y in zip(got[2], ref[2]):
+        assert torch.allclose(x, y, rtol=0, atol=1e-2 * LR), (x - y).abs().max()
+    for x, y in zip(got[1], ref[1]):
+        assert torch.allclose(x.float(), y.float(), rtol=2.0 ** -7, atol=1e-2 * LR), (x.float() - y.float()).abs().max()
+
+
+_HOST_READS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
+               torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy}
+
+
+def _tensors_in(x) -> int:
+    return sum(map(_tensors_in, x)) if isinstance(x, (list, tuple)) else int(isinstance(x, torch.Tensor))
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the Python-level reads of tensor values on the host: ``.item()``, ``float()``, ``bool()``, ...,
+    and ``torch.tensor``/``torch.as_tensor`` of a (nested) list holding tensors (each element read separately, in C++,
+    invisible to the dispatcher: megatron's ``torch.tensor(list_of_norms)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            self.reads.append(func.__name__)
+        elif func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)):
+            self.reads += [func.__name__] * _tensors_in(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+class _ScalarCopies(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense`` (a device-to-host copy of one value: a sync on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                    torch.ops.aten.is_nonzero.default):
+            self.syncs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# -- one rank --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("clip", [1e6, 0.0], ids=["clip_inactive", "clip_0"])
+def test_unclipped_steps_are_bitwise_megatrons(clip):
+    with megatron_single_rank():
+        _check_inactive(clip)
+
+
+def test_clipped_steps_match_megatron_within_bounds():
+    with megatron_single_rank():
+        _check_active()
+
+
+def test_no_host_sync_in_the_clipping():
+    with megatron_single_rank():
+        _model_, ddp, opt = _setup(0.5, megatron_clip=False)
+        _fb(ddp, opt, 0)
+        assert not opt.prepare_grads()
+        with _HostReads() as reads, _ScalarCopies() as copies:
+            gn = clip_grad_norm_sync_free(opt.chained_optimizers, 0.5)
+        assert reads.reads == [] and copies.syncs == [], (reads.reads, copies.syncs)
+        assert isinstance(gn, torch.Tensor) and gn.dim() == 0
+        # the counters see megatron's fallback: a read per gradient tensor (its norm) and more
+        with _HostReads() as reads, _ScalarCopies() as copies:
+            opt.get_grad_norm()
+        assert len(reads.reads) > len(opt.chained_optimizers[0].get_main_grads_for_grad_norm()) > 10
+        assert copies.syncs
+
+
+class _FakeOpt:
+    """The part of megatron's optimizer API the clipping uses, over plain gradients."""
+
+    def __init__(self, grads, stub=False):
+        from megatron.core.optimizer import OptimizerConfig
+
+        self.params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.config = OptimizerConfig()
+        self.is_stub_optimizer = stub
+
+    def get_parameters(self):
+        return self.params
+
+    def get_main_grads_for_grad_norm(self):
+        return [p.grad for p in self.params]
+
+    def get_grad_stats_parallel_group(self):
+        return None
+
+
+def test_nonfinite_norms_and_no_gradients_as_megatron():
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    with megatron_single_rank():
+        # inf: the sum of squares overflows (finite gradients); megatron's coefficient 0 zeroes the gradients
+        big = [torch.full((4,), 3e19), torch.full((3,), -2e19)]
+        opt = _FakeOpt([g.clone() for g in big])
+        gn = clip_grad_norm_sync_free([opt], 1.0)
+        assert math.isinf(float(gn))
+        ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in big]
+        for p, g in zip(ref, big):
+            p.grad = g.clone()
+        clip_grad_by_total_norm_fp32(ref, 1.0, float("inf"))
+        _bitwise([p.grad for p in opt.params], [p.grad for p in ref], "inf norm")
+        assert all(bool((p.grad == 0).all()) for p in opt.params)
+        # NaN (a NaN gradient the found-inf check did not see): megatron does not clip (nan < 1.0 is False)
+        nan = [torch.tensor([1.0, float("nan")]), torch.tensor([5.0, -7.0])]
+        opt = _FakeOpt([g.clone() for g in nan])
+        gn = clip_grad_norm_sync_free([opt], 1.0)
+        assert math.isnan(float(gn))
+        assert torch.equal(opt.params[1].grad, nan[1]) and float(opt.params[0].grad[0]) == 1.0
+        # no gradients at all, a stub optimizer: norm 0, nothing to clip
+        assert float(clip_grad_norm_sync_free([_FakeOpt([])], 1.0)) == 0.0
+        assert float(clip_grad_norm_sync_free([], 1.0)) == 0.0
+        stub = _FakeOpt([torch.full((2,), 10.0)], stub=True)
+        assert float(clip_grad_norm_sync_free([stub], 1.0)) == pytest.approx(math.sqrt(200.0))
+        assert torch.equal(stub.params[0].grad, torch.full((2,), 10.0))
+        # clip 0: the norm only
+        opt = _FakeOpt([torch.tensor([3.0, 4.0])])
+        assert float(clip_grad_norm_sync_free([opt], 0.0)) == 5.0
+        assert torch.equal(opt.params[0].grad, torch.tensor([3.0, 4.0]))
+        # two optimizers, separate groups (no shared group): the squares add
+        a, b = _FakeOpt([torch.tensor([3.0])]), _FakeOpt([torch.tensor([4.0])])
+        assert float(clip_grad_norm_sync_free([a, b], 1.0, shared_group=False)) == 5.0
+        assert float(a.params[0].grad) == pytest.approx(3.0 / (5.0 + 1e-6), rel=1e-7)
+
+
+def test_found_inf_skips_as_megatron():
+    with megatron_single_rank():
+        _model_, ddp, opt = _setup(1.0, megatron_clip=False)
+        _fb(ddp, opt, 0)
+        next(iter(ddp.module.parameters())).main_grad.view(-1)[0] = float("nan")
+        before = [p.detach().clone() for p in ddp.module.parameters()]
+        assert optimizer_step(opt, 1.0) == (False, None, None)
+        _bitwise([p.detach() for p in ddp.module.parameters()], before, "skipped step")
+
+
+# -- two ranks -------------------------------------------------------------------------------------------
+
+CASES = ["dp2", "tp2"]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    from megatron.core import parallel_state
+
+    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+
+    torch.set_num_threads(1)
+    enable_cpu_compat()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for case in CASES:
+            tp = 2 if case == "tp2" else 1
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+            try:
+                # DP=2: each rank its own batch (the gradients are averaged, the optimizer sharded);
+                # TP=2: both ranks the same batch
+                data_rank = rank if tp == 1 else 0
+                _check_inactive(1e6, tp=tp, rank=data_rank)
+                _check_active(tp=tp, rank=data_rank)
+                outcome = "ok"
+            except Exception:
+                outcome = traceback.format_exc()
+            finally:
+                parallel_state.destroy_model_parallel()
+            with open(os.path.join(out_dir, f"{case}.rank{rank}"), "w") as f:
+                f.write(outcome)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dist_outcomes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clip_dist")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_clipping_as_megatron(dist_outcomes, case):
+    for rank in range(2):
+        text = (dist_outcomes / f"{case}.rank{rank}").read_text()
+        assert text == "ok", f"rank {rank}:\n{text}"
