@@ -159,7 +159,7 @@ def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
 # (fwd + bwd) at 1.31x BF16 against 1.45x.
 GEMM_ENGINE_ENV = "NVFP4_GEMM_ENGINE"
 DEFAULT_GEMM_ENGINE = "cublas"
-GEMM_ENGINES = ("triton", "cublas")  # = kernels.nvfp4.gemm.GEMM_ENGINES (not imported here: no triton import)
+GEMM_ENGINES = ("triton", "cublas")  # also the engines kernels.nvfp4.gemm accepts (engine=)
 
 
 def gemm_engine() -> str:

@@ -95,6 +95,7 @@ import triton.language as tl
 
 from kernels._dispatch import interpret_mode
 from kernels.fp4_triton import round_to_bf16, u32
+from kernels.nvfp4 import GEMM_ENGINES
 from kernels.nvfp4.reference import BLOCK, NVFP4Tensor, nvfp4_alpha
 
 # compile-time codes
@@ -700,11 +701,15 @@ def _check_out_and_alpha(out_dtype: torch.dtype, alpha: torch.Tensor | None,
     contiguous fp32 tensor."""
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
-    if alpha is not None:
-        alpha = alpha.to(torch.float32).reshape(1).contiguous()
-        if alpha.device != device:
-            raise ValueError(f"alpha must be on {device}, got {alpha.device}")
-    return alpha
+    return None if alpha is None else _device_scalar(alpha, device, "alpha")
+
+
+def _device_scalar(t: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
+    """``t`` (on ``device``) as the 1-element contiguous fp32 tensor a kernel loads (a view when it already is
+    one); ``name`` in the error."""
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    return t.to(torch.float32).reshape(1).contiguous()
 
 
 def gemm_alpha_triton(
@@ -739,8 +744,8 @@ def gemm_alpha_triton(
     return c
 
 
-# the GEMM engines of the pre-dequantized design (``engine=`` of nvfp4_gemm_predequant / predequant_fp4_gemm)
-GEMM_ENGINES = ("triton", "cublas")
+# the GEMM engines of the pre-dequantized design (``engine=`` of nvfp4_gemm_predequant / predequant_fp4_gemm):
+# GEMM_ENGINES, defined in kernels.nvfp4 (which reads the default engine from the environment without Triton)
 # the operand dtypes of the "cublas" engine; the default is bf16 (see gemm_alpha_cublas)
 _CUBLAS_DTYPES = (torch.bfloat16, torch.float16)
 _ALPHA_BLOCK = 4096
@@ -799,9 +804,7 @@ def _amax_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An amax as the 1-element contiguous fp32 tensor the alpha kernel loads (a view when it already is one)."""
     if not isinstance(t, torch.Tensor) or t.numel() != 1:
         raise ValueError(f"amax must be a 1-element tensor, got {t if not isinstance(t, torch.Tensor) else t.shape}")
-    if t.device != device:
-        raise ValueError(f"amax must be on {device}, got {t.device}")
-    return t.to(torch.float32).reshape(1).contiguous()
+    return _device_scalar(t, device, "amax")
 
 
 def gemm_alpha_cublas(
