@@ -36,9 +36,8 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-NO_KERNEL = {"view", "_unsafe_view", "reshape", "t", "transpose", "expand", "as_strided", "alias", "detach", "slice",
-             "select", "unsqueeze", "squeeze", "permute", "split", "unbind", "lift_fresh", "empty", "empty_strided",
-             "new_empty", "set_"}
+from scripts._aten_ops import launches_kernel  # noqa: E402
+
 # CPU stand-ins of GPU-only operators (see the module docstring)
 INTERPRETER_ONLY = {"_to_copy", "copy_"}
 
@@ -82,10 +81,10 @@ def inventory(recipe_name: str, M: int = 128, K: int = 256, N: int = 128) -> dic
             quantized_linear(x, w, None, lctx).backward(dy)
     finally:
         interpreter.InterpretedFunction.run = run
-    kernels = {k: v for k, v in ops.items() if k not in NO_KERNEL and k not in INTERPRETER_ONLY}
+    kernels = {k: v for k, v in ops.items() if launches_kernel(k) and k not in INTERPRETER_ONLY}
     return dict(recipe=recipe_name, triton=dict(launches), torch_kernels=kernels,
                 interpreter_only={k: v for k, v in ops.items() if k in INTERPRETER_ONLY},
-                no_kernel={k: v for k, v in ops.items() if k in NO_KERNEL},
+                no_kernel={k: v for k, v in ops.items() if not launches_kernel(k)},
                 total_launches=sum(launches.values()) + sum(kernels.values()))
 
 

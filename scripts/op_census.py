@@ -41,13 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# aten ops (overload packets, as a TorchDispatchMode sees them) that launch no kernel on the GPU
-NO_KERNEL = re.compile(
-    r"^(view|_unsafe_view|as_strided|empty\w*|new_empty\w*|t|transpose|permute|slice|select|unsqueeze|squeeze"
-    r"|expand|reshape|detach|alias|split\w*|unflatten|narrow|unbind|_reshape_alias|set_|is_\w+|size|stride"
-    r"|_local_scalar_dense|result_type|record_stream|diagonal|view_as|unfold|lift_fresh|_to_copy_noop"
-    r"|_has_compatible_shallow_copy_type|sym_\w+)$"
-)
+from scripts._aten_ops import launches_kernel  # noqa: E402
+
 PROJECT = re.compile(r"(^|/)(models|nvfp4_train|scripts|megatron)/")
 SKIP = re.compile(r"op_census|bench_train|cpu_compat")  # the driver and wrappers, not sources
 CPU_ONLY = re.compile(r"models/mamba/ssd\.py|rmsnorm_gated_ref|core/optimizer/optimizer\.py:\d+ step_with_ready_grads")
@@ -102,7 +97,7 @@ class Census(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if not NO_KERNEL.match(name):
+        if launches_kernel(name):
             node = torch._C._current_autograd_node()
             frame = python_frame()
             phase = "fwd"
