@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from kernels.nvfp4 import GEMM_ENGINE_ENV, GEMM_ENGINES  # noqa: E402
 from scripts._aten_ops import launches_kernel  # noqa: E402
 
 # CPU stand-ins of GPU-only operators (see the module docstring)
@@ -92,10 +93,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", nargs="+", default=["nvfp4"])
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--gemm-engine", choices=["triton", "cublas"], help="NVFP4_GEMM_ENGINE for this count")
+    ap.add_argument("--gemm-engine", choices=GEMM_ENGINES, help=f"{GEMM_ENGINE_ENV} for this count")
     a = ap.parse_args()
     if a.gemm_engine:
-        os.environ["NVFP4_GEMM_ENGINE"] = a.gemm_engine
+        os.environ[GEMM_ENGINE_ENV] = a.gemm_engine
     rows = [inventory(r) for r in a.recipe]
     for r in rows:
         note = "" if r["recipe"].startswith("nvfp4") or r["recipe"] == "bf16" else "  (CPU path: not the GPU count)"
