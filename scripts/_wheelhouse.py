@@ -212,6 +212,12 @@ def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
         if len(meta) != 1:
             die(f"{path.name}: expected one */METADATA, found {meta}")
         text = z.read(meta[0]).decode("utf-8")
+    return core_metadata(text)
+
+
+def core_metadata(text: str) -> tuple[str | None, str | None, list[str]]:
+    """Name, Version and the Requires-Dist lines of a core-metadata file (a wheel's METADATA, an sdist's
+    PKG-INFO): the headers up to the first blank line."""
     name = version = None
     reqs = []
     for line in text.split("\n"):
@@ -693,14 +699,9 @@ def unpack_sdist(path: Path, spec: str, dest: Path) -> Path:
     pkg_info = src / "PKG-INFO"
     if not pkg_info.is_file():
         die(f"{path.name}: no PKG-INFO in {src.name}/: not an sdist")
-    headers = {}
-    for line in pkg_info.read_text(encoding="utf-8").split("\n"):
-        if line == "":
-            break
-        k, _, v = line.partition(": ")
-        headers.setdefault(k, v.strip())
-    if cname(headers.get("Name", "")) != cname(req.name) or headers.get("Version") != pin:
-        die(f"{path.name}: its PKG-INFO says {headers.get('Name')} {headers.get('Version')}, pyproject pins {spec}")
+    name, version, _ = core_metadata(pkg_info.read_text(encoding="utf-8"))
+    if cname(name or "") != cname(req.name) or version != pin:
+        die(f"{path.name}: its PKG-INFO says {name} {version}, pyproject pins {spec}")
     if not (src / "setup.py").is_file():
         die(f"{path.name}: no setup.py in {src.name}/")
     return src
