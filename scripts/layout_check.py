@@ -179,8 +179,9 @@ def main() -> int:
         return ckpt_root / name / "checkpoints"
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    common = [f"schedule.train_steps={a.steps}", "logging.wandb=disabled", "logging.tensorboard=false",
-              "logging.progress=lines", "checkpoint.save_at_end=false", *extra]
+    quiet = ["logging.wandb=disabled", "logging.tensorboard=false", "logging.progress=lines",
+             "checkpoint.save_at_end=false"]
+    common = [f"schedule.train_steps={a.steps}", *quiet, *extra]
     if a.prewarm:
         env.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # autotuning results on disk, shared by later processes
 
@@ -203,8 +204,7 @@ def main() -> int:
             d = a.out / "prewarm" / lay.name
             d.mkdir(parents=True, exist_ok=True)
             overrides = ["schedule.train_steps=1", "schedule.warmup_steps=0", "schedule.decay_fraction=0",
-                         "logging.wandb=disabled", "logging.tensorboard=false", "logging.progress=lines",
-                         "checkpoint.save_at_end=false", "checkpoint.interval=0", "checkpoint.save_on_signal=false",
+                         *quiet, "checkpoint.interval=0", "checkpoint.save_on_signal=false",
                          f"checkpoint.dir={d / 'checkpoints'}", *short, f"experiment.run_dir={d}",
                          f"experiment.name=prewarm_{lay.name}"]
             cmd = [sys.executable, "train.py", *overrides] if lay.world == 1 else torchrun(lay, overrides)
@@ -231,12 +231,15 @@ def main() -> int:
     (a.out / "layout_check.json").write_text(json.dumps(results, indent=1))
     ok = True
 
+    def resume_point(lay: Layout) -> tuple[str, int]:
+        """The layout whose checkpoint ``lay`` resumes, and its step."""
+        return (lay.resume_from, save2) if lay.resume_from else ("1", a.save_at)
+
     def launch(lay: Layout) -> Launched:
         d = a.out / lay.name
         d.mkdir(parents=True, exist_ok=True)
-        ckpt = (ckpt_dir(lay.resume_from) / f"step_{save2:07d}" if lay.resume_from
-                else ckpt_dir("1") / f"step_{a.save_at:07d}")
-        cmd = torchrun(lay, [*common, f"checkpoint.resume={ckpt}",
+        src, step = resume_point(lay)
+        cmd = torchrun(lay, [*common, f"checkpoint.resume={ckpt_dir(src) / f'step_{step:07d}'}",
                              f"checkpoint.interval={save2 if lay.name in sources else 0}",
                              f"checkpoint.dir={ckpt_dir(lay.name)}", f"experiment.run_dir={d}",
                              f"experiment.name=layout_{lay.name}"])
@@ -245,14 +248,13 @@ def main() -> int:
     def finish(lay: Layout, run: Launched) -> dict:
         rc = run.wait(a.run_timeout)
         d = a.out / lay.name
-        start = save2 if lay.resume_from else a.save_at
-        resumed = f"{lay.resume_from} @ {save2}" if lay.resume_from else f"1 @ {a.save_at}"
-        row = dict(layout=lay.name, gpus=lay.world, resumed=resumed, wall_s=time.time() - run.t_start,
+        src, step = resume_point(lay)
+        row = dict(layout=lay.name, gpus=lay.world, resumed=f"{src} @ {step}", wall_s=time.time() - run.t_start,
                    shared_gpus=a.concurrent)
         if rc != 0:
             row["error"] = f"exit {rc}, see {d / 'stdout.log'}"
         else:
-            recs = [r for r in load_metrics(d) if r["step"] > start]
+            recs = [r for r in load_metrics(d) if r["step"] > step]
             row.update(compare(recs, ref), tokens_per_s=tokens_per_s(recs))
         return row
 
