@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 	touch $(STAMP)
 
 # The README's test command (what CI runs through .ci/run): CPU unit tests, Triton kernels under the
-# interpreter (the flag is read at import, so they get their own process), then the two-rank gloo tests.
+# interpreter (the flag is read at import, so they get their own process), then the multi-rank gloo tests (two ranks; four for the layout combinations).
 test: $(STAMP)
 	$(PYTEST) -m "not triton and not dist and not gpu" tests
 	$(MAKE) --no-print-directory test-dist

@@ -118,6 +118,43 @@ def test_layout_check_concurrent_waves(tmp_path):
     assert "not a throughput" in p.stdout
 
 
+@pytest.mark.dist
+def test_layout_check_four_rank_combinations_nvfp4(tmp_path):
+    """The combinations of the multi-GPU issue on four gloo ranks, hybrid tiny model, nvfp4 recipe (RHT and
+    stochastic rounding): TP2xPP2 resumes the one-process checkpoint of step 2, TP2xDP2 resumes the checkpoint
+    TP2xPP2 wrote at step 3 (a checkpoint written under a 4-rank layout continues under another).
+
+    Bound, rtol 1e-3 per step. A layout changes the stochastic-rounding draws: the per-layer SR counters are
+    carried only when the layout is unchanged, and TP draws by position in the local shard. So the layouts
+    differ from the reference as much as a different SR seed does, plus bf16 reassociation (TP's reduces, DP's
+    gradient all-reduce). Measured on this setup (same checkpoint, one process, experiment.seed 1/2/3: only the
+    SR bits change): up to 2.6e-4 relative over steps 3-5; the layouts: 2.4e-4. The failure this must catch,
+    optimizer state lost in the reshard (the dp_reshardable format across a TP/PP change restarts the Adam
+    moments): 7.3e-3. 1e-3 is 4x the SR floor and 7x below that failure.
+
+    Sharper, the first step after each resume computes its loss from the checkpoint's weights before any update,
+    and no fprop operand is stochastically rounded: TP2xDP2's step 4 is TP2xPP2's step 4 (PP moves activations
+    exactly; only the mean of two micro-batch losses may reassociate), so the weights survive PP2 -> PP1 intact."""
+    from tests.trainer.runs import TINY
+
+    out = tmp_path / "layout"
+    tiny = [a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment")
+            and not a.startswith(("schedule.train_steps", "checkpoint.interval"))]
+    p = _run(["scripts/layout_check.py", "--out", str(out), "--layouts", "1", "tp2pp2", "tp2dp2:tp2pp2", "--steps",
+              "5", "--save-at", "2", "--save-at2", "3", "--rtol", "1e-3", "--", "model=tiny", "precision=nvfp4",
+              *tiny], timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads((out / "layout_check.json").read_text())}
+    assert list(rows) == ["1", "tp2pp2", "tp2dp2"]
+    assert rows["tp2pp2"]["gpus"] == rows["tp2dp2"]["gpus"] == 4
+    assert rows["tp2pp2"]["resumed"] == "1 @ 2" and rows["tp2dp2"]["resumed"] == "tp2pp2 @ 3"
+    assert [s for s, _, _ in rows["tp2pp2"]["losses"]] == [3, 4, 5]
+    assert [s for s, _, _ in rows["tp2dp2"]["losses"]] == [4, 5]
+    assert all(r["max_rel"] <= 1e-3 for r in rows.values()), {k: r["max_rel"] for k, r in rows.items()}
+    step4_pp, step4_dp = rows["tp2pp2"]["losses"][1][1], rows["tp2dp2"]["losses"][0][1]
+    assert abs(step4_dp - step4_pp) <= 1e-6 * abs(step4_pp), (step4_pp, step4_dp)
+
+
 def test_launch_inventory_nvfp4_layer_budget(tmp_path):
     """The NVFP4 layer's launches per fwd+bwd with the weight cached (the GPU code path, counted under the
     interpreter): x and dy each one amax pass and one fused row+column quantize, one dequantize launch for both
