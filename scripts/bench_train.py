@@ -412,36 +412,49 @@ def _init_dist() -> None:
     init_single_process()
 
 
-def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
-               profile_dir: Path | None = None, sync_debug: bool = False) -> dict:
+def build_case(case: str, recipe: str, seq: int | None = None, mb: int | None = None, device: str = "cpu"):
+    """The model of ``CASES[case]`` under ``recipe`` (its config, its layer precision map: every block quantized
+    where the case says so), built from seed 0, and its input: token ids from seed 1, [mb, seq] (the case's own
+    sequence and micro-batch unless given), and positions. Returns ``(model, mc, lm, ids, pos)``. The one builder
+    of this benchmark, ``scripts/op_census.py`` and ``scripts/saved_census.py``."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from models.build import build_model, transformer_config
-    from models.config import count_parameters, model_config
-    from models.flops import training_flops_per_token
-    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
+    from models.config import model_config
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
-    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, quant_layers, set_weight_cache
-    from nvfp4_train.precision.operand import operand_nbytes
 
-    size, overrides, seq, mb, all_q = CASES[case]
+    size, overrides, case_seq, case_mb, all_q = CASES[case]
+    seq, mb = seq or case_seq, mb or case_mb
     mc = model_config(size).replace(**overrides)
     keep = {"keep_first": 0, "keep_last": 0} if all_q and recipe != "bf16" else {}
     lm = LayerPrecisionMap(mc.pattern, recipe, **keep)
-    cuda = torch.cuda.is_available()
-    dev = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
+    model = build_model(mc, lm, config=transformer_config(mc), seq_length=seq)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, mc.vocab_size, (mb, seq), generator=g).to(device)
+    pos = torch.arange(seq, device=device)[None].expand(mb, seq)
+    return model, mc, lm, ids, pos
+
+
+def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
+               profile_dir: Path | None = None, sync_debug: bool = False) -> dict:
+    from models.config import count_parameters
+    from models.flops import training_flops_per_token
+    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
+    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, quant_layers, set_weight_cache
+    from nvfp4_train.precision.operand import operand_nbytes
+
+    _, _, seq, mb, _ = CASES[case]
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
     # the previous case's model, DDP buffers and optimizer form reference cycles (megatron's hooks): collect
     # them, or their memory stays allocated and inflates this case's peak
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model = build_model(mc, lm, config=transformer_config(mc), seq_length=seq)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, mc.vocab_size, (mb, seq), generator=g).to(dev)
-    pos = torch.arange(seq, device=dev)[None].expand(mb, seq)
+    model, mc, lm, ids, pos = build_case(case, recipe, device=dev)
 
     def no_mark() -> None:
         pass

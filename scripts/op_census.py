@@ -128,27 +128,13 @@ def numel(operands: str) -> int:
 
 def build_step(case: str, recipe: str, seq: int, mb: int):
     """bench_train.bench_case's model, DDP, optimizer and step (same config), at micro-batch mb, seq."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from models.build import build_model, transformer_config
-    from models.config import model_config
     from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
     from nvfp4_train.parallel.setup import init_single_process
-    from nvfp4_train.precision.layer_map import LayerPrecisionMap
     from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
-    from scripts.bench_train import CASES
+    from scripts.bench_train import build_case
 
     init_single_process()
-    size, overrides, _, _, all_q = CASES[case]
-    mc = model_config(size).replace(**overrides)
-    keep = {"keep_first": 0, "keep_last": 0} if all_q and recipe != "bf16" else {}
-    lm = LayerPrecisionMap(mc.pattern, recipe, **keep)
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    model = build_model(mc, lm, config=transformer_config(mc), seq_length=seq)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, mc.vocab_size, (mb, seq), generator=g)
-    pos = torch.arange(seq)[None].expand(mb, seq)
+    model, _, _, ids, pos = build_case(case, recipe, seq, mb)
     ddp = build_ddp(model, OptimConfig())
     opt = build_optimizer([ddp], OptimConfig(), lr=1e-4, min_lr=1e-5)
     set_weight_cache(model, True)
