@@ -176,3 +176,20 @@ def test_launch_inventory_nvfp4_layer_budget(tmp_path):
     p = subprocess.run([sys.executable, "scripts/launch_inventory.py"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert p.returncode != 0 and "TRITON_INTERPRET=1" in p.stderr
+
+
+def test_bench_host_prints_its_fields(tmp_path):
+    """scripts/bench_host.py (host time of a layer's fwd+bwd, launches stubbed) runs and reports every field."""
+    out = tmp_path / "host.json"
+    p = subprocess.run([sys.executable, "scripts/bench_host.py", "--recipe", "nvfp4", "bf16", "--layer", "function",
+                        "checked", "--iters", "3", "--warmup", "2", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "| recipe | layer | host us |" in p.stdout and "| nvfp4 | checked |" in p.stdout
+    rows = json.loads(out.read_text())
+    assert [(r["recipe"], r["layer"]) for r in rows] == [("nvfp4", "function"), ("bf16", "function"),
+                                                         ("nvfp4", "checked"), ("bf16", "checked")]
+    nv = rows[0]
+    assert nv["host_us"] > 0 and nv["aten_ops"] > 0 and nv["triton"]["_quantize_grouped_kernel"] == 2
+    assert nv["launches"] == 15 and rows[2]["launches"] == 15 + 8  # the non-finite check: 4 launches, twice
+    assert "mm" in nv["torch_kernels"] and "_to_copy" in nv["interpreter_only"]

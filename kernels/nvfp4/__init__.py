@@ -59,6 +59,23 @@ __all__ = [
 ]
 
 
+_TRITON_MODULES = None
+
+
+def _triton():
+    """The Triton launchers' modules ``kernels.nvfp4.quantize`` and ``kernels.nvfp4.gemm`` as one namespace,
+    imported on first use (the reference path runs without Triton): one global lookup per call on the hot path
+    instead of an import statement."""
+    global _TRITON_MODULES
+    if _TRITON_MODULES is None:
+        import types
+
+        from kernels.nvfp4 import gemm, quantize
+
+        _TRITON_MODULES = types.SimpleNamespace(quantize=quantize, gemm=gemm)
+    return _TRITON_MODULES
+
+
 def _wrap(codes, scales_u8, amax, block_2d) -> NVFP4Tensor:
     return NVFP4Tensor(codes=codes, scales=scales_u8.view(torch.float8_e4m3fn), amax=amax, block_2d=block_2d)
 
@@ -122,14 +139,13 @@ def quantize_nvfp4_rowcol(
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
     check_amax(col_amax, "col_amax")
-    from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
-
-    rc, rs, cc, cs, am = quantize_nvfp4_rowcol_triton(
+    rc, rs, cc, cs, am = _triton().quantize.quantize_nvfp4_rowcol_triton(
         x, write_row=True, write_col=True, block_2d=block_2d, col_rht=col_rht,
         row_stochastic=row_stochastic, col_stochastic=col_stochastic,
         row_key=seed_key(row_seed), col_key=seed_key(col_seed), row_amax=row_amax, col_amax=col_amax,
     )
-    return _wrap(rc, rs, am[0], block_2d), _wrap(cc, cs, am[1], block_2d)
+    row_am, col_am = am.unbind()  # the views am[0], am[1] in one op
+    return _wrap(rc, rs, row_am, block_2d), _wrap(cc, cs, col_am, block_2d)
 
 
 def nvfp4_amax(x: torch.Tensor, col_rht: bool = False) -> torch.Tensor:
@@ -185,6 +201,4 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bf
     # (nvfp4_gemm_triton) ~0.33x cuBLAS BF16; dequantizing each operand once to 16 bits, then the Triton 16-bit
     # GEMM with the alpha epilogue (engine "triton") 0.81-0.84x, or cuBLAS with fp32 output and a Triton alpha
     # pass (engine "cublas", the default) 0.91-0.98x.
-    from kernels.nvfp4.gemm import nvfp4_gemm_predequant
-
-    return nvfp4_gemm_predequant(a, b, out_dtype=out_dtype, engine=engine)
+    return _triton().gemm.nvfp4_gemm_predequant(a, b, out_dtype=out_dtype, engine=engine)

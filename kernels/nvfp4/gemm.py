@@ -96,6 +96,7 @@ import triton.language as tl
 from kernels._dispatch import interpret_mode
 from kernels.fp4_triton import round_to_bf16, u32
 from kernels.nvfp4 import GEMM_ENGINES
+from kernels.nvfp4.quantize import cdiv
 from kernels.nvfp4.reference import BLOCK, NVFP4Tensor, nvfp4_alpha
 
 # compile-time codes
@@ -106,6 +107,7 @@ SCALE_E4M3 = tl.constexpr(0)  # NVFP4
 SCALE_E8M0 = tl.constexpr(1)  # MXFP4
 _DOT_CODES = {"fp16": 0, "bf16": 1, "fp32": 2}
 _DOT_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_DOT_NAME = {v: k for k, v in _DOT_TORCH.items()}
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 _TWO_POW_28 = tl.constexpr(268435456.0)
 
@@ -548,7 +550,7 @@ def blockscaled_fp4_gemm(
         return c
     a_s = a_scales.view(torch.uint8)
     b_s = b_scales.view(torch.uint8)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
     _fp4_gemm_kernel[grid](
         a_codes, a_s, b_codes, b_s, alpha if alpha is not None else c, c,
         M, N, K,
@@ -596,7 +598,7 @@ def _dequant_dtypes(dtype: torch.dtype, scale_format: str) -> tuple[str, str]:
     """(dot, kdot): the dot dtype name of ``dtype`` and the one the dequantize kernels compute in.
     ``_dequant_kernel`` computes in fp16 then converts; under the interpreter bf16 products are done on raw
     bits, so there the bf16 output goes through fp32 (exact) instead."""
-    dot = {v: k for k, v in _DOT_TORCH.items()}.get(dtype)
+    dot = _DOT_NAME.get(dtype)
     if dot is None:
         raise TypeError(f"dequantized operands are float16, bfloat16 or float32, got {dtype}")
     if dot == "fp16" and scale_format == "e8m0":
@@ -619,7 +621,7 @@ def dequantize_fp4_blockwise_triton(
         return out
     s = scales.view(torch.uint8)
     block_k = max(block_k, block)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    grid = (cdiv(M, block_m), cdiv(K, block_k))
     tmp = out if kdot == dot else torch.empty((M, K), dtype=torch.float32, device=codes.device)
     _dequant_kernel[grid](
         codes, s, tmp, M, K, codes.stride(0), codes.stride(1), s.stride(0), s.stride(1),
@@ -640,15 +642,24 @@ def dequantize_fp4_blockwise_pair_triton(
     of ``_dequant_pair_kernel`` (the row tiles of A, then those of B; the same tile code as
     ``dequantize_fp4_blockwise_triton``, so the same bits as two single launches). Both live in one [M + N, K]
     allocation (A its first M rows, B the rest: two contiguous views), one allocator call instead of two."""
-    dot, kdot = _dequant_dtypes(dtype, scale_format)
-    M, K = a_codes.shape[0], a_codes.shape[1] * 2
-    N = b_codes.shape[0]
+    K = a_codes.shape[1] * 2
     if b_codes.shape[1] * 2 != K:
         raise ValueError(f"the two operands' K differ: {K} and {b_codes.shape[1] * 2}")
     if K % block != 0:
         raise ValueError(f"K must be a multiple of the scale block {block}, got K = {K}")
     if b_codes.device != a_codes.device:
         raise ValueError(f"both operands must be on one device, got {a_codes.device} and {b_codes.device}")
+    return _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
+                         dtype=dtype, block_m=block_m, block_k=block_k, num_warps=num_warps)
+
+
+def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, dtype, block_m=64, block_k=128,
+                  num_warps=4):
+    """``dequantize_fp4_blockwise_pair_triton`` without its shape and device checks (for callers that made
+    them: ``predequant_fp4_gemm``)."""
+    dot, kdot = _dequant_dtypes(dtype, scale_format)
+    M, K = a_codes.shape[0], a_codes.shape[1] * 2
+    N = b_codes.shape[0]
     dev = a_codes.device
     out = torch.empty((M + N, K), dtype=dtype, device=dev)
     if M + N == 0 or K == 0:
@@ -656,9 +667,9 @@ def dequantize_fp4_blockwise_pair_triton(
     a_s = a_scales.view(torch.uint8)
     b_s = b_scales.view(torch.uint8)
     block_k = max(block_k, block)
-    grid = (triton.cdiv(M, block_m) + triton.cdiv(N, block_m), triton.cdiv(K, block_k))
+    grid = (cdiv(M, block_m) + cdiv(N, block_m), cdiv(K, block_k))
     tmp = out if kdot == dot else torch.empty((M + N, K), dtype=torch.float32, device=dev)
-    ta, tb = tmp[:M], tmp[M:]
+    ta, tb = tmp.split_with_sizes((M, N))  # = tmp[:M], tmp[M:] in one op
     _dequant_pair_kernel[grid](
         a_codes, a_s, ta, M, a_codes.stride(0), a_codes.stride(1), a_s.stride(0), a_s.stride(1),
         ta.stride(0), ta.stride(1),
@@ -669,7 +680,8 @@ def dequantize_fp4_blockwise_pair_triton(
     )
     if tmp is not out:
         out.copy_(tmp)
-    return out[:M], out[M:]
+        return out.split_with_sizes((M, N))
+    return ta, tb
 
 
 def dequantize_nvfp4_blockwise_triton(q: NVFP4Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -705,10 +717,13 @@ def _check_out_and_alpha(out_dtype: torch.dtype, alpha: torch.Tensor | None,
 
 
 def _device_scalar(t: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
-    """``t`` (on ``device``) as the 1-element contiguous fp32 tensor a kernel loads (a view when it already is
-    one); ``name`` in the error."""
+    """``t`` (on ``device``) as the 1-element contiguous fp32 tensor a kernel loads (``t`` itself when it
+    already is one, 0-d included: the kernel loads the element at its address; no torch op); ``name`` in the
+    error."""
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if t.dtype == torch.float32 and t.dim() <= 1 and t.numel() == 1:
+        return t
     return t.to(torch.float32).reshape(1).contiguous()
 
 
@@ -723,7 +738,7 @@ def gemm_alpha_triton(
     """C[M, N] = alpha * A[M, K] @ B[N, K]^T for fp16/bf16 (or fp32) A and B of the same dtype, fp32
     accumulation, ``alpha`` a 1-element fp32 device tensor loaded in the epilogue (None: 1)."""
     alpha = _check_gemm16_args("gemm_alpha_triton", a, b, alpha, out_dtype, tuple(_DOT_TORCH.values()))
-    dot = {v: k for k, v in _DOT_TORCH.items()}[a.dtype]
+    dot = _DOT_NAME[a.dtype]
     _check_dot_dtype(dot)
     M, K = a.shape
     N = b.shape[0]
@@ -733,7 +748,7 @@ def gemm_alpha_triton(
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
     _gemm16_kernel[grid](
         a, b, alpha if alpha is not None else c, c, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
@@ -775,9 +790,16 @@ def scale_alpha_triton(
             raise ValueError("scale_alpha_triton: give alpha or amax, not both")
         amax = tuple(_amax_scalar(t, acc.device) for t in amax)
     alpha = _check_out_and_alpha(out_dtype, alpha, acc.device)
+    if out_dtype == torch.float32 and not acc.is_contiguous():
+        raise ValueError("scale_alpha_triton writes fp32 output in place: acc must be contiguous")
+    return _scale_alpha(acc, alpha, out_dtype, amax)
+
+
+def _scale_alpha(acc: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype,
+                 amax: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``scale_alpha_triton`` without its checks: ``acc`` fp32 (contiguous for fp32 output), ``alpha`` and the
+    ``amax`` pair already the 1-element fp32 tensors of ``_device_scalar`` on acc's device."""
     if out_dtype == torch.float32:
-        if not acc.is_contiguous():
-            raise ValueError("scale_alpha_triton writes fp32 output in place: acc must be contiguous")
         if alpha is None and amax is None:
             return acc
         out = acc
@@ -787,7 +809,7 @@ def scale_alpha_triton(
     n = acc.numel()
     if n == 0:
         return out
-    grid = (triton.cdiv(n, _ALPHA_BLOCK),)
+    grid = (cdiv(n, _ALPHA_BLOCK),)
     if amax is not None:
         first, second = amax
     else:
@@ -801,7 +823,7 @@ def scale_alpha_triton(
 
 
 def _amax_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An amax as the 1-element contiguous fp32 tensor the alpha kernel loads (a view when it already is one)."""
+    """An amax as the 1-element contiguous fp32 tensor the alpha kernel loads (itself when it already is one)."""
     if not isinstance(t, torch.Tensor) or t.numel() != 1:
         raise ValueError(f"amax must be a 1-element tensor, got {t if not isinstance(t, torch.Tensor) else t.shape}")
     return _device_scalar(t, device, "amax")
@@ -824,6 +846,16 @@ def gemm_alpha_cublas(
     only the fp32 summation order differs). Needs torch >= 2.8 on CUDA. ``amax=(amax_a, amax_b)`` instead of
     ``alpha``: the alpha pass forms ``nvfp4_alpha`` from the two amaxes itself (``scale_alpha_triton``)."""
     alpha = _check_gemm16_args("gemm_alpha_cublas", a, b, alpha, out_dtype, _CUBLAS_DTYPES)
+    if amax is not None:
+        if alpha is not None:
+            raise ValueError("scale_alpha_triton: give alpha or amax, not both")
+        amax = tuple(_amax_scalar(t, a.device) for t in amax)
+    return _gemm_alpha_cublas(a, b, alpha, out_dtype, amax)
+
+
+def _gemm_alpha_cublas(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype,
+                       amax: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``gemm_alpha_cublas`` without its checks (``alpha`` and ``amax`` as ``_scale_alpha`` takes them)."""
     if a.is_cuda:
         try:
             acc = torch.mm(a, b.t(), out_dtype=torch.float32)
@@ -832,7 +864,7 @@ def gemm_alpha_cublas(
                                f"torch {torch.__version__}: {e}") from e
     else:
         acc = a.float() @ b.float().t()
-    return scale_alpha_triton(acc, alpha, out_dtype, amax=amax)
+    return _scale_alpha(acc, alpha, out_dtype, amax)
 
 
 def nvfp4_gemm_predequant(
@@ -897,9 +929,14 @@ def predequant_fp4_gemm(
     else:
         dot_dtype = dot_dtype or "fp16"
         _check_dot_dtype(dot_dtype)
-    # both operands in one dequantize launch
-    da, db = dequantize_fp4_blockwise_pair_triton(a_codes, a_scales, b_codes, b_scales, block=block,
-                                                  scale_format=scale_format, dtype=_DOT_TORCH[dot_dtype])
+    # both operands in one dequantize launch (shapes and devices checked above: _check_operands)
+    da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
+                           dtype=_DOT_TORCH[dot_dtype])
     if engine == "cublas":
-        return gemm_alpha_cublas(da, db, alpha, out_dtype, amax=amax)
+        # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
+        # the amax pair are checked here, once
+        alpha = _check_out_and_alpha(out_dtype, alpha, da.device)
+        if amax is not None:
+            amax = (_amax_scalar(amax[0], da.device), _amax_scalar(amax[1], da.device))
+        return _gemm_alpha_cublas(da, db, alpha, out_dtype, amax)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)

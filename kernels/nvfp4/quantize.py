@@ -720,15 +720,21 @@ def _amax_grouped_kernel(
         tl.atomic_max(amax_ptr + 1, amax_t)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side grids: ``triton.cdiv`` is a ``constexpr_function`` whose Python wrapper costs
+    ~1.5 us a call on the host (the same integer)."""
+    return -(-a // b)
+
+
 def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
-    return (triton.cdiv(M, BM) * triton.cdiv(K, BK),)
+    return (cdiv(M, BM) * cdiv(K, BK),)
 
 
 _NUM_SMS: dict = {}
 
 
 def _persistent_grid(x: torch.Tensor, M: int, K: int, BM: int, BK: int, per_sm: int = 4) -> tuple[int]:
-    n_tiles = triton.cdiv(M, BM) * triton.cdiv(K, BK)
+    n_tiles = cdiv(M, BM) * cdiv(K, BK)
     if x.is_cuda:
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if dev not in _NUM_SMS:
@@ -801,6 +807,36 @@ def amax_triton(x: torch.Tensor, col_rht: bool, design: str = DEFAULT_DESIGN, **
     return out
 
 
+_TILED_CONFIG = dict(block_m=64, block_k=64, num_warps=4)
+_LAUNCH_CONFIGS: dict = {}  # design -> the launch settings of quantize_nvfp4_rowcol_triton without overrides
+
+
+def _launch_config(design, block_m, block_k, num_warps, maxnreg, amax_cfg):
+    """(block_m, block_k, num_warps, maxnreg, amax pass config) of the quantize pass: the overrides given,
+    the design's defaults for the others; without overrides, computed once per design (the hot path)."""
+    defaults = block_m is None and block_k is None and num_warps is None and maxnreg is None and amax_cfg is None
+    if defaults and design in _LAUNCH_CONFIGS:
+        return _LAUNCH_CONFIGS[design]
+    base = GROUPED_CONFIG if design != "tiled" else _TILED_CONFIG
+    c = (block_m or base["block_m"], block_k or base["block_k"], num_warps or base["num_warps"],
+         maxnreg or base.get("maxnreg"), dict(AMAX_CONFIG if design != "tiled" else base, **(amax_cfg or {})))
+    if defaults:  # GROUPED_CONFIG and AMAX_CONFIG are constants
+        _LAUNCH_CONFIGS[design] = c
+    return c
+
+
+def _amax_pair(row_amax: torch.Tensor, col_amax: torch.Tensor) -> torch.Tensor | None:
+    """The two given amaxes as the kernel's float32 [2] input without a copy, when they already are the two
+    consecutive fp32 elements of one buffer (``am[0], am[1]`` of ``nvfp4_amax``, all-reduced across a
+    tensor-parallel group): the kernel only reads it. Else None (the caller copies them into a new buffer)."""
+    if (row_amax.dtype != torch.float32 or col_amax.dtype != torch.float32 or row_amax.dim() != 0
+            or col_amax.dim() != 0 or col_amax.data_ptr() != row_amax.data_ptr() + 4):
+        return None
+    if row_amax._base is None or col_amax._base is not row_amax._base:  # views of one buffer: one storage
+        return None
+    return row_amax.as_strided((2,), (1,))
+
+
 def quantize_nvfp4_rowcol_triton(
     x: torch.Tensor,
     *,
@@ -841,20 +877,17 @@ def quantize_nvfp4_rowcol_triton(
     dev = x.device
     is_bf16 = x.dtype == torch.bfloat16
     x = as_kernel_input(x)
-    base = GROUPED_CONFIG if design != "tiled" else dict(block_m=64, block_k=64, num_warps=4)
-    block_m = block_m or base["block_m"]
-    block_k = block_k or base["block_k"]
-    num_warps = num_warps or base["num_warps"]
-    maxnreg = maxnreg or base.get("maxnreg")
-    ac = dict(AMAX_CONFIG if design != "tiled" else base, **(amax_cfg or {}))
+    block_m, block_k, num_warps, maxnreg, ac = _launch_config(design, block_m, block_k, num_warps, maxnreg, amax_cfg)
     need_col_amax = write_col and not block_2d
-    amax_in = torch.zeros(2, dtype=torch.float32, device=dev)
     have_row = row_amax is not None
     have_col = col_amax is not None or not need_col_amax
-    if have_row:
-        amax_in[0] = row_amax.to(torch.float32).reshape(())
-    if need_col_amax and col_amax is not None:
-        amax_in[1] = col_amax.to(torch.float32).reshape(())
+    amax_in = _amax_pair(row_amax, col_amax) if have_row and need_col_amax and col_amax is not None else None
+    if amax_in is None:
+        amax_in = torch.zeros(2, dtype=torch.float32, device=dev)
+        if have_row:
+            amax_in[0] = row_amax.to(torch.float32).reshape(())
+        if need_col_amax and col_amax is not None:
+            amax_in[1] = col_amax.to(torch.float32).reshape(())
     if M == 0 or K == 0:  # nothing to quantize: no launch (and no 64-bit view of an empty column buffer)
         if need_col_amax and not col_rht and col_amax is None:
             amax_in[1] = amax_in[0]
@@ -865,9 +898,13 @@ def quantize_nvfp4_rowcol_triton(
                                      ((K, M // 2), write_col), ((K, M // 16), write_col))]
         return (*empty, torch.where(torch.isinf(amax_in), float("nan"), amax_in))  # the policy, as in the kernel
     if not (have_row and have_col):
-        # one of the two may be given: then compute into a scratch buffer and keep the given one
-        target = torch.zeros(2, dtype=torch.float32, device=dev) if (have_row or have_col) else amax_in
-        _launch_amax(x, target, M, K, is_bf16, need_col_amax and col_rht, design, ac["block_m"], ac["block_k"],
+        # the amax pass max-reduces into slot 0, and into slot 1 when it mixes the columnwise copy: when one of
+        # those slots holds a given amax, compute into a scratch buffer and keep the given one; else directly
+        # (e.g. 2-D tiles, which need no column amax: slot 1 stays 0 either way)
+        mixed = need_col_amax and col_rht
+        scratch = have_row or (mixed and col_amax is not None)
+        target = torch.zeros(2, dtype=torch.float32, device=dev) if scratch else amax_in
+        _launch_amax(x, target, M, K, is_bf16, mixed, design, ac["block_m"], ac["block_k"],
                      ac["num_warps"], ac.get("per_sm", 4))
         if target is not amax_in:
             if not have_row:
@@ -882,7 +919,8 @@ def quantize_nvfp4_rowcol_triton(
     col_scales = torch.empty((K, M // 16), dtype=torch.uint8, device=dev) if write_col else None
     amax_out = torch.empty(2, dtype=torch.float32, device=dev)
     dummy = amax_out
-    enc_tab = torch.empty(256, dtype=torch.float32, device=dev) if design.startswith("grouped_lean") else dummy
+    lean = design.startswith("grouped_lean")
+    enc_tab = torch.empty(256, dtype=torch.float32, device=dev) if lean else dummy
     flags = dict(WRITE_ROW=write_row, WRITE_COL=write_col, BLOCK_2D=block_2d, COL_RHT=col_rht,
                  ROW_SR=row_stochastic, COL_SR=col_stochastic, BM=block_m, BK=block_k,
                  num_warps=num_warps, enable_fp_fusion=False)
@@ -890,15 +928,16 @@ def quantize_nvfp4_rowcol_triton(
         flags["maxnreg"] = maxnreg
     if design != "tiled":
         # the columnwise codes are written as one 64-bit word per 16 elements
+        native = _native_cvt(x)
         _quantize_grouped_kernel[_grid(M, K, block_m, block_k)](
             x, amax_in,
             row_codes if write_row else dummy, row_scales if write_row else dummy,
             col_codes.view(torch.int64) if write_col else dummy, col_scales if write_col else dummy, amax_out,
             enc_tab,
             M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
-            IS_BF16=is_bf16, NATIVE_CVT=_native_cvt(x), EVEN=M % block_m == 0 and K % block_k == 0,
-            LEAN=design.startswith("grouped_lean"), ASM=design == "grouped_lean" and _native_cvt(x),
-            COL_TAB=design.startswith("grouped_lean") and (is_bf16 or _col_table_fp32), **flags,
+            IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0,
+            LEAN=lean, ASM=design == "grouped_lean" and native,
+            COL_TAB=lean and (is_bf16 or _col_table_fp32), **flags,
         )
     else:
         _quantize_kernel[_grid(M, K, block_m, block_k)](

@@ -263,13 +263,19 @@ def quantize_nvfp4_rowcol_ref(
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """The two copies a linear layer needs from one [M, K] tensor: the rowwise copy (blocks along K) and
     the columnwise copy of x^T ([K, M], blocks along M; Hadamard-mixed when ``col_rht``, its own amax).
-    In 2-D mode the columnwise copy is the rowwise copy transposed (same values, same amax)."""
+    In 2-D mode the columnwise copy is the rowwise copy transposed (same values, same amax).
+
+    ``row_amax`` / ``col_amax``: given amaxes (e.g. all-reduced over tensor-parallel ranks) replace the local
+    ones. Without ``col_rht`` the columnwise copy holds x's own values, so a given ``row_amax`` is its amax too
+    when ``col_amax`` is not given (x^T has the amax of x), as in the Triton path."""
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
     check_amax(col_amax, "col_amax")
     row = quantize_nvfp4_ref(x, block_2d=block_2d, stochastic=row_stochastic, seed=row_seed, amax=row_amax)
     if block_2d:
         return row, transpose_nvfp4_ref(row)
+    if col_amax is None and not col_rht:
+        col_amax = row_amax
     col = quantize_nvfp4_ref(x.t(), rht=col_rht, stochastic=col_stochastic, seed=col_seed, amax=col_amax)
     return row, col
 

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# imported here, not in the functions: an import statement costs host time on every call of the hot path
+# (kernels.nvfp4 itself imports only torch; Triton is imported when a kernel first runs)
+from kernels.nvfp4 import nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
 from nvfp4_train.precision.recipe import OperandCast
 
 __all__ = ["Operand", "cast_pair", "cast_one", "qgemm", "operand_nbytes"]
@@ -63,8 +66,6 @@ def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.Pro
     if cast.format == "bf16":
         return Operand("bf16", t)
     if cast.format == "nvfp4":
-        from kernels.nvfp4 import nvfp4_amax, quantize_nvfp4
-
         amax = None
         if amax_group is not None:
             # the amax of what gets quantized: RHT(t) along its last dim is the columnwise copy of t^T
@@ -97,23 +98,23 @@ def cast_pair(
     ``None`` for a cast skips that copy.
     """
     if row is not None and col is not None and row.format == col.format == "nvfp4":
-        fused = None
+        fused = None  # (block_2d, col_rht) of the fused row + column kernel, when the two casts allow it
         if _is_nvfp4_1d(row) and _is_nvfp4_1d(col) and not row.hadamard and t.shape[0] % 16 == 0:
-            fused = dict(block_2d=False, col_rht=col.hadamard)
+            fused = (False, col.hadamard)
         elif row.block == col.block == (16, 16) and not row.hadamard and not col.hadamard and row.rounding == col.rounding:
-            fused = dict(block_2d=True, col_rht=False)
+            fused = (True, False)
         if fused is not None:
-            from kernels.nvfp4 import nvfp4_amax, quantize_nvfp4_rowcol
-
+            block_2d, col_rht = fused
             row_amax = col_amax = None
             if amax_group is not None:
-                am = nvfp4_amax(t, col_rht=fused["col_rht"])
+                am = nvfp4_amax(t, col_rht=col_rht)
                 dist.all_reduce(am, op=dist.ReduceOp.MAX, group=amax_group)
-                row_amax, col_amax = am[0], am[1]
+                # two views of one buffer (one op): the quantizer reads them in place, no copy
+                row_amax, col_amax = am.unbind()
             r, c = quantize_nvfp4_rowcol(
-                t, row_stochastic=row.rounding == "stochastic", col_stochastic=col.rounding == "stochastic",
-                row_seed=_seed(seed, 0), col_seed=_seed(seed, 1), row_amax=row_amax,
-                col_amax=None if fused["block_2d"] else col_amax, **fused,
+                t, block_2d=block_2d, col_rht=col_rht, row_stochastic=row.rounding == "stochastic",
+                col_stochastic=col.rounding == "stochastic", row_seed=_seed(seed, 0), col_seed=_seed(seed, 1),
+                row_amax=row_amax, col_amax=None if block_2d else col_amax,
             )
             return Operand("nvfp4", r), Operand("nvfp4", c)
     r = cast_one(t, row, _seed(seed, 0), amax_group) if row is not None else None
@@ -128,8 +129,6 @@ def qgemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     if a.format == "bf16":
         return torch.matmul(a.data, b.data.t()).to(out_dtype)
     if a.format == "nvfp4":
-        from kernels.nvfp4 import nvfp4_gemm
-
         return nvfp4_gemm(a.data, b.data, out_dtype=out_dtype)
     if a.format == "mxfp4":
         from kernels.mxfp4 import mxfp4_gemm

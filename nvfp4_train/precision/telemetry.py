@@ -59,6 +59,8 @@ OPERAND_NAMES = ("fprop.x", "fprop.W", "dgrad.dy", "wgrad.x_col", "wgrad.dy_col"
 STAT_NAMES = ("zero", "saturated", "sqnr_db")
 
 _NEVER = 2**62  # the "no non-finite value seen" time
+_NEVER_F = float(_NEVER)
+_INF = float("inf")
 _clock = itertools.count()  # one global order of forward and backward calls, across layers
 
 
@@ -141,9 +143,10 @@ class LayerTelemetry:
         now = next(_clock)
         if t.numel() == 0:  # nothing to check (and max|t| has no identity): finite
             return prev
-        # max |t| (in t's dtype, no copy of t) is NaN or +inf exactly when t holds a NaN or ±inf
-        amax = torch.linalg.vector_norm(t.detach(), float("inf"))
-        base = torch.full((), float(_NEVER), dtype=torch.float64, device=t.device) if prev is None else prev
+        # max |t| (in t's dtype, no copy of t) is NaN or +inf exactly when t holds a NaN or ±inf; detached (one
+        # more op) only when t is in a graph: an input gradient usually is not
+        amax = torch.linalg.vector_norm(t.detach() if t.requires_grad else t, _INF)
+        base = torch.full((), _NEVER_F, dtype=torch.float64, device=t.device) if prev is None else prev
         # base + 0·amax: base when t is finite, NaN when not (0·inf and 0·NaN are NaN); float64 by promotion
         hit = torch.nan_to_num(torch.add(base, amax, alpha=0), nan=float(now))  # base, or now when not finite
         return hit if prev is None else torch.minimum(prev, hit)
