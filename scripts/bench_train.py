@@ -12,8 +12,11 @@ For each case and recipe: build the model (bf16 parameters) on the GPU, wrap it 
 (megatron's DDP with FP32 gradient buffers, the distributed optimizer: FP32 master weights, AdamW, gradient
 clipping; the quantized weights cached per optimizer step and dropped after it), run ``--warmup`` then
 ``--iters`` full training steps (zero grads, forward, backward of the mean per-token cross entropy, optimizer
-step), timed with CUDA events, median step time. ``--no-optimizer`` times forward + backward only (the
-optimizer step is the same FP32 AdamW for every recipe). Peak memory is ``torch.cuda.max_memory_allocated``
+step), timed with CUDA events, median step time. A step is one micro-batch of the case's shape unless
+``--grad-accum N`` makes it N (gradients accumulated, reduced once, as ``train.py`` does with
+``schedule.global_batch_size`` = N x micro-batch): with N = 1 every quantized layer re-quantizes its weight each
+step, with N > 1 the weight cache serves the other micro-batches, as in training. ``--no-optimizer`` times
+forward + backward only (the optimizer step is the same FP32 AdamW for every recipe). Peak memory is ``torch.cuda.max_memory_allocated``
 during the timed steps; "before step" is the memory held before the first timed step (weights, gradient
 buffers, optimizer state); "activations" is the peak minus that, i.e. what the step saved for backward plus
 workspace; "saved by fwd" is what one more step's forward left allocated (its saved activations and the
@@ -54,6 +57,7 @@ the engine and replayed when backward ends, so its stack stops at ``loss.backwar
 
     python3 scripts/bench_train.py --cases slice12b small 1.2b --recipes bf16 fp8 nvfp4 --json out.json
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/   # + kernel breakdown
+    python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --grad-accum 4   # a step as train.py's small
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/ --sync-debug  # + host syncs
     python3 scripts/bench_train.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
 """
@@ -61,6 +65,7 @@ the engine and replayed when backward ends, so its stack stops at ``loss.backwar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import json
@@ -438,7 +443,13 @@ def build_case(case: str, recipe: str, seq: int | None = None, mb: int | None = 
 
 
 def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
-               profile_dir: Path | None = None, sync_debug: bool = False) -> dict:
+               profile_dir: Path | None = None, sync_debug: bool = False, grad_accum: int = 1) -> dict:
+    """One case under one recipe. A step is ``grad_accum`` micro-batches of the case's shape (forward + backward
+    each; gradients accumulate in megatron's buffers, reduced once after the last) and, unless ``optimizer`` is
+    False, the optimizer step, as ``train.py`` runs a step. The weight cache quantizes each weight in the first
+    micro-batch and reuses it in the others, so ``grad_accum`` > 1 amortizes that cost as training does."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     from models.config import count_parameters
     from models.flops import training_flops_per_token
     from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
@@ -467,17 +478,22 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
         def step(after_forward=no_mark) -> None:
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            loss = ddp(ids, pos, None, labels=ids).float().mean()
-            after_forward()
-            loss.backward()
+            for i in range(grad_accum):  # megatron's no_sync for all but the last micro-batch, as its schedules do
+                with ddp.no_sync() if i < grad_accum - 1 else contextlib.nullcontext():
+                    loss = ddp(ids, pos, None, labels=ids).float().mean()
+                    if i == 0:
+                        after_forward()
+                    loss.backward()
             ddp.finish_grad_sync()
             optimizer_step(opt, OptimConfig().clip_grad)
             invalidate_weight_caches(model)
     else:
         def step(after_forward=no_mark) -> None:
-            loss = model(ids, pos, None, labels=ids).float().mean()
-            after_forward()
-            loss.backward()
+            for i in range(grad_accum):
+                loss = model(ids, pos, None, labels=ids).float().mean()
+                if i == 0:
+                    after_forward()
+                loss.backward()
 
     for _ in range(warmup):
         step()
@@ -522,10 +538,11 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             step()
             times.append(time.perf_counter() - t)
     t = statistics.median(times)
-    tokens = mb * seq
+    tokens = grad_accum * mb * seq
     tps = tokens / t
     flops = training_flops_per_token(mc, seq)
     res = dict(case=case, recipe=recipe, optimizer=optimizer, params=count_parameters(mc), seq=seq, micro_batch=mb,
+               grad_accum=grad_accum,
                bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t, tokens_per_s=tps,
                tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
                peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30,
@@ -555,6 +572,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-optimizer", action="store_true", help="time forward + backward only")
+    ap.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                    help="micro-batches per step (gradient accumulation; the weight cache is reused in all but the "
+                         "first, as in training); default 1")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 2 steps")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="profile one more step per case/recipe: kernel breakdown, DIR/<case>_<recipe>_kernels.csv")
@@ -570,7 +590,7 @@ def main() -> int:
         for recipe in a.recipes:
             try:
                 rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile,
-                                       a.sync_debug))
+                                       a.sync_debug, a.grad_accum))
             except Exception as e:  # report and go on: one failing recipe must not hide the others
                 rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
             r = rows[-1]

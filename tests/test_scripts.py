@@ -29,6 +29,17 @@ def test_bench_train_quick(tmp_path):
     assert "| tiny | nvfp4 |" in p.stdout
 
 
+def test_bench_train_grad_accum_counts_every_micro_batch(tmp_path):
+    """--grad-accum 2: a step is two micro-batches (the second with the weight cache filled) and an optimizer
+    step; tokens/s counts both micro-batches."""
+    out = tmp_path / "bench.json"
+    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    (r,) = json.loads(out.read_text())
+    assert r["grad_accum"] == 2
+    assert r["tokens_per_s"] == pytest.approx(2 * r["micro_batch"] * r["seq"] / r["step_s"], rel=1e-9)
+
+
 def test_bench_checkpoint_tiny(tmp_path):
     out, root = tmp_path / "ckpt.json", tmp_path / "ckpts"
     p = _run(["scripts/bench_checkpoint.py", "--model", "tiny", "--out", str(root), "--json", str(out)])
