@@ -43,6 +43,12 @@ cuCtxSynchronize, cuMemcpy*): name, count, total and longest ms, as the table "h
 ms) under ``"launch_calls"``. A cudaMemcpyAsync blocks only when one side is pageable host memory; a long
 cudaStreamSynchronize / cudaMemcpy is where the host waited for the GPU.
 
+``--cuda-graph`` (experimental, a benchmark only): after the above, each case and recipe also times the step with its
+forwards and backwards captured once in a CUDA graph and replayed, the optimizer step eager after each replay: what
+the step costs with no host work per kernel launch (the `small` steps are host-bound). Not a training mode: the
+stochastic-rounding keys and the non-finite check's clock, host integers given to the kernels, are frozen at
+capture. A capture error is recorded under ``"cuda_graph"`` and the eager numbers are kept.
+
 ``--sync-debug``: after the above (the profiled step included), each case and recipe runs ONE more full training
 step with ``torch.cuda.set_sync_debug_mode("warn")`` (the previous mode restored afterwards, also on error) and
 records every warning it emits with the Python stack at the point of emission (a ``warnings.showwarning`` hook
@@ -58,6 +64,7 @@ the engine and replayed when backward ends, so its stack stops at ``loss.backwar
     python3 scripts/bench_train.py --cases slice12b small 1.2b --recipes bf16 fp8 nvfp4 --json out.json
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/   # + kernel breakdown
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --grad-accum 4   # a step as train.py's small
+    python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --cuda-graph     # + replayed from a CUDA graph
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/ --sync-debug  # + host syncs
     python3 scripts/bench_train.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
 """
@@ -442,8 +449,75 @@ def build_case(case: str, recipe: str, seq: int | None = None, mb: int | None = 
     return model, mc, lm, ids, pos
 
 
+def graph_steps(ddp, model, opt, ids, pos, grad_accum: int, warmup: int, iters: int, tokens: int) -> dict:
+    """EXPERIMENTAL, a benchmark only: the same step with its forwards and backwards captured once in a CUDA graph
+    and replayed (``torch.cuda.graph``), the optimizer step eager after it (megatron's ``prepare_grads`` reads
+    ``found_inf`` on the host, which a graph cannot hold). It measures what the step costs with no host work per
+    kernel launch. Not a training mode: every replay reuses the stochastic-rounding keys and the non-finite
+    check's clock values captured once (host integers passed to the kernels), so the noise does not change from
+    step to step. Returns the median step time and tokens/s, or raises on the first capture error."""
+    from nvfp4_train.optim import OptimConfig, optimizer_step
+    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--cuda-graph needs CUDA")
+    net = ddp if ddp is not None else model
+
+    def fwd_bwd() -> None:
+        for i in range(grad_accum):
+            with ddp.no_sync() if ddp is not None and i < grad_accum - 1 else contextlib.nullcontext():
+                net(ids, pos, None, labels=ids).float().mean().backward()
+
+    def eager_rest() -> None:
+        if ddp is not None:
+            ddp.finish_grad_sync()
+            optimizer_step(opt, OptimConfig().clip_grad)
+        invalidate_weight_caches(model)
+
+    def zero() -> None:
+        if ddp is not None:
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+        else:
+            model.zero_grad(set_to_none=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph's documentation asks
+        for _ in range(2):
+            zero()
+            fwd_bwd()
+            eager_rest()
+    torch.cuda.current_stream().wait_stream(side)
+    zero()
+    invalidate_weight_caches(model)  # the captured forward quantizes every weight, as each step's first does
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    eager_rest()
+
+    def step() -> None:
+        zero()
+        graph.replay()
+        eager_rest()
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    t = statistics.median(times)
+    return dict(step_s=t, tokens_per_s=tokens / t)
+
+
 def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
-               profile_dir: Path | None = None, sync_debug: bool = False, grad_accum: int = 1) -> dict:
+               profile_dir: Path | None = None, sync_debug: bool = False, grad_accum: int = 1,
+               cuda_graph: bool = False) -> dict:
     """One case under one recipe. A step is ``grad_accum`` micro-batches of the case's shape (forward + backward
     each; gradients accumulate in megatron's buffers, reduced once after the last) and, unless ``optimizer`` is
     False, the optimizer step, as ``train.py`` runs a step. The weight cache quantizes each weight in the first
@@ -552,6 +626,12 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             res["profile"] = profile_step(step, profile_dir / f"{case}_{recipe}_kernels.csv")
         except Exception as e:
             res["profile"] = dict(error=f"{type(e).__name__}: {e}"[:300])
+    if cuda_graph:
+        try:  # nor a capture failure
+            res["cuda_graph"] = graph_steps(ddp if optimizer else None, model, opt if optimizer else None, ids, pos,
+                                            grad_accum, warmup, iters, tokens)
+        except Exception as e:
+            res["cuda_graph"] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if sync_debug:
         try:  # nor a sync-debug failure
             sd = sync_debug_step(step)
@@ -578,6 +658,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, 2 steps")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="profile one more step per case/recipe: kernel breakdown, DIR/<case>_<recipe>_kernels.csv")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="EXPERIMENTAL: also time the step with its forwards/backwards replayed from one CUDA graph "
+                         "(no host cost per launch; SR keys frozen: a benchmark, not a training mode)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="one more step per case/recipe under torch.cuda.set_sync_debug_mode('warn'): every "
                          "host-GPU synchronization with its Python stack")
@@ -590,7 +673,7 @@ def main() -> int:
         for recipe in a.recipes:
             try:
                 rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile,
-                                       a.sync_debug, a.grad_accum))
+                                       a.sync_debug, a.grad_accum, a.cuda_graph))
             except Exception as e:  # report and go on: one failing recipe must not hide the others
                 rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
             r = rows[-1]
@@ -616,6 +699,20 @@ def main() -> int:
               f"{ratio} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | "
               f"{r['peak_gib']:.1f} | {r['base_gib']:.1f} | {r['activation_gib']:.1f} | {aratio} | "
               f"{r['saved_gib']:.2f} | {sratio} | {r['weight_copies_gib']:.2f} |")
+    graphed = [r for r in rows if "cuda_graph" in r]
+    if graphed:
+        print("\n| case | recipe | eager step (ms) | CUDA-graph step (ms) | graph vs eager | graph vs bf16 graph |")
+        print("|---|---|---|---|---|---|")
+        gbase = {r["case"]: r["cuda_graph"] for r in graphed if r["recipe"] == "bf16" and "error" not in r["cuda_graph"]}
+        for r in graphed:
+            g = r["cuda_graph"]
+            if "error" in g:
+                print(f"| {r['case']} | {r['recipe']} | {r['step_s'] * 1e3:.1f} | error: {g['error'][:120]} | | |")
+                continue
+            b = gbase.get(r["case"])
+            vs_b = f"{g['step_s'] / b['step_s']:.2f}x" if b else "-"
+            print(f"| {r['case']} | {r['recipe']} | {r['step_s'] * 1e3:.1f} | {g['step_s'] * 1e3:.1f} | "
+                  f"{g['step_s'] / r['step_s']:.2f}x | {vs_b} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
