@@ -5,8 +5,8 @@ On the GPU the NVFP4 training step is host-bound: the Python and dispatcher work
 checks, allocations, views, kernel launches) runs longer than the kernels it queues. This benchmark measures that
 host work without a GPU: CPU tensors under ``TRITON_INTERPRET=1`` take the same Python path as CUDA tensors, and
 every Triton launch is replaced (here, in this script only) by a stub that only records the kernel's name, so
-neither the interpreter's own work nor Triton's launch path is timed (on the H200's host Triton's launch path
-costs ~25 us a launch: count the launches for it). Tensors are tiny (64 x 64 by default) so that the three GEMMs'
+neither the interpreter's own work nor Triton's launch path is timed (on the H200's host Triton's Python launch
+path was 12.5% of the NVFP4 forward's main thread, docs/benchmarks.md: count the launches for it). Tensors are tiny (64 x 64 by default) so that the three GEMMs'
 CPU arithmetic is small against the host work. The weight is quantized in a warm-up call and cached, as in
 training with the weight cache on (every micro-batch after the first of a step).
 
