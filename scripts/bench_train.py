@@ -449,60 +449,8 @@ def build_case(case: str, recipe: str, seq: int | None = None, mb: int | None = 
     return model, mc, lm, ids, pos
 
 
-def graph_steps(ddp, model, opt, ids, pos, grad_accum: int, warmup: int, iters: int, tokens: int) -> dict:
-    """EXPERIMENTAL, a benchmark only: the same step with its forwards and backwards captured once in a CUDA graph
-    and replayed (``torch.cuda.graph``), the optimizer step eager after it (megatron's ``prepare_grads`` reads
-    ``found_inf`` on the host, which a graph cannot hold). It measures what the step costs with no host work per
-    kernel launch. Not a training mode: every replay reuses the stochastic-rounding keys and the non-finite
-    check's clock values captured once (host integers passed to the kernels), so the noise does not change from
-    step to step. Returns the median step time and tokens/s, or raises on the first capture error."""
-    from nvfp4_train.optim import OptimConfig, optimizer_step
-    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("--cuda-graph needs CUDA")
-    net = ddp if ddp is not None else model
-
-    def fwd_bwd() -> None:
-        for i in range(grad_accum):
-            with ddp.no_sync() if ddp is not None and i < grad_accum - 1 else contextlib.nullcontext():
-                net(ids, pos, None, labels=ids).float().mean().backward()
-
-    def eager_rest() -> None:
-        if ddp is not None:
-            ddp.finish_grad_sync()
-            optimizer_step(opt, OptimConfig().clip_grad)
-        invalidate_weight_caches(model)
-
-    def zero() -> None:
-        if ddp is not None:
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-        else:
-            model.zero_grad(set_to_none=False)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph's documentation asks
-        for _ in range(2):
-            zero()
-            fwd_bwd()
-            eager_rest()
-    torch.cuda.current_stream().wait_stream(side)
-    zero()
-    invalidate_weight_caches(model)  # the captured forward quantizes every weight, as each step's first does
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd_bwd()
-    eager_rest()
-
-    def step() -> None:
-        zero()
-        graph.replay()
-        eager_rest()
-
-    for _ in range(warmup):
-        step()
+def cuda_step_times(step: Callable[[], None], iters: int) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``step``, timed with CUDA events around it (synchronized after each)."""
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -511,7 +459,43 @@ def graph_steps(ddp, model, opt, ids, pos, grad_accum: int, warmup: int, iters: 
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    t = statistics.median(times)
+    return times
+
+
+def graph_steps(zero: Callable[[], None], fwd_bwd: Callable[[], None], rest: Callable[[], None],
+                invalidate: Callable[[], None], warmup: int, iters: int, tokens: int) -> dict:
+    """EXPERIMENTAL, a benchmark only: ``bench_case``'s step (``zero``, then ``fwd_bwd``: the forwards and
+    backwards of its micro-batches, then ``rest``: the gradient sync, optimizer step and weight-cache drop) with
+    ``fwd_bwd`` captured once in a CUDA graph (``torch.cuda.graph``) and replayed, the rest eager (megatron's
+    ``prepare_grads`` reads ``found_inf`` on the host, which a graph cannot hold). It measures what the step costs
+    with no host work per kernel launch. Not a training mode: every replay reuses the stochastic-rounding keys and
+    the non-finite check's clock values captured once (host integers passed to the kernels), so the noise does not
+    change from step to step. Returns the median step time and tokens/s, or raises on the first capture error."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("--cuda-graph needs CUDA")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph's documentation asks
+        for _ in range(2):
+            zero()
+            fwd_bwd()
+            rest()
+    torch.cuda.current_stream().wait_stream(side)
+    zero()
+    invalidate()  # the captured forward quantizes every weight, as each step's first does
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    rest()
+
+    def step() -> None:
+        zero()
+        graph.replay()
+        rest()
+
+    for _ in range(warmup):
+        step()
+    t = statistics.median(cuda_step_times(step, iters))
     return dict(step_s=t, tokens_per_s=tokens / t)
 
 
@@ -541,50 +525,47 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
         torch.cuda.reset_peak_memory_stats()
     model, mc, lm, ids, pos = build_case(case, recipe, device=dev)
 
-    def no_mark() -> None:
+    def nothing() -> None:
         pass
 
     if optimizer:
-        ddp = build_ddp(model, OptimConfig())
+        ddp = net = build_ddp(model, OptimConfig())
         opt = build_optimizer([ddp], OptimConfig(), lr=1e-4, min_lr=1e-5)
         set_weight_cache(model, True)  # as the trainer: quantize each weight once per optimizer step
 
-        def step(after_forward=no_mark) -> None:
+        def zero() -> None:
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            for i in range(grad_accum):  # megatron's no_sync for all but the last micro-batch, as its schedules do
-                with ddp.no_sync() if i < grad_accum - 1 else contextlib.nullcontext():
-                    loss = ddp(ids, pos, None, labels=ids).float().mean()
-                    if i == 0:
-                        after_forward()
-                    loss.backward()
+
+        def rest() -> None:
             ddp.finish_grad_sync()
             optimizer_step(opt, OptimConfig().clip_grad)
             invalidate_weight_caches(model)
     else:
-        def step(after_forward=no_mark) -> None:
-            for i in range(grad_accum):
-                loss = model(ids, pos, None, labels=ids).float().mean()
+        net, zero, rest = model, nothing, nothing
+
+    def fwd_bwd(after_forward: Callable[[], None] = nothing) -> None:
+        for i in range(grad_accum):  # megatron's no_sync for all but the last micro-batch, as its schedules do
+            with ddp.no_sync() if optimizer and i < grad_accum - 1 else contextlib.nullcontext():
+                loss = net(ids, pos, None, labels=ids).float().mean()
                 if i == 0:
                     after_forward()
                 loss.backward()
+
+    def step(after_forward: Callable[[], None] = nothing) -> None:
+        zero()
+        fwd_bwd(after_forward)
+        rest()
 
     for _ in range(warmup):
         step()
     if not optimizer:
         model.zero_grad(set_to_none=False)
-    times = []
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+        times = cuda_step_times(step, iters)
         peak = torch.cuda.max_memory_allocated()
         # what the forward leaves allocated for backward (saved activations, the loss): one more step, with
         # memory_allocated read before it and right after its forward. The peak above also holds backward's
@@ -607,6 +588,7 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
         saved = after_fwd["allocated"] - before_fwd - wcopies
     else:
         base = peak = saved = wcopies = 0
+        times = []
         for _ in range(iters):
             t = time.perf_counter()
             step()
@@ -628,8 +610,8 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             res["profile"] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if cuda_graph:
         try:  # nor a capture failure
-            res["cuda_graph"] = graph_steps(ddp if optimizer else None, model, opt if optimizer else None, ids, pos,
-                                            grad_accum, warmup, iters, tokens)
+            res["cuda_graph"] = graph_steps(zero, fwd_bwd, rest, lambda: invalidate_weight_caches(model), warmup,
+                                            iters, tokens)
         except Exception as e:
             res["cuda_graph"] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if sync_debug:
