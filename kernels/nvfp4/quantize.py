@@ -832,7 +832,7 @@ def _amax_pair(row_amax: torch.Tensor, col_amax: torch.Tensor) -> torch.Tensor |
     if (row_amax.dtype != torch.float32 or col_amax.dtype != torch.float32 or row_amax.dim() != 0
             or col_amax.dim() != 0 or col_amax.data_ptr() != row_amax.data_ptr() + 4):
         return None
-    if row_amax._base is None or col_amax._base is not row_amax._base:  # views of one buffer: one storage
+    if row_amax.untyped_storage().data_ptr() != col_amax.untyped_storage().data_ptr():  # one buffer's elements
         return None
     return row_amax.as_strided((2,), (1,))
 
