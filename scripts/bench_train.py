@@ -473,18 +473,20 @@ def graph_steps(zero: Callable[[], None], fwd_bwd: Callable[[], None], rest: Cal
     change from step to step. Returns the median step time and tokens/s, or raises on the first capture error."""
     if not torch.cuda.is_available():
         raise RuntimeError("--cuda-graph needs CUDA")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph's documentation asks
-        for _ in range(2):
-            zero()
-            fwd_bwd()
-            rest()
-    torch.cuda.current_stream().wait_stream(side)
+    stream = torch.cuda.current_stream()
+    if stream == torch.cuda.default_stream():
+        # megatron's DDP keeps each parameter's AccumulateGrad node from its construction; a capture on another
+        # stream than the one those nodes were made on is invalidated (session 8, H200): build, warm up and
+        # capture on one side stream (``main`` runs a --cuda-graph case under one)
+        raise RuntimeError("--cuda-graph: run the case under a side stream (torch.cuda.stream), not the default")
+    for _ in range(2):
+        zero()
+        fwd_bwd()
+        rest()
     zero()
     invalidate()  # the captured forward quantizes every weight, as each step's first does
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fwd_bwd()
     rest()
 
@@ -653,9 +655,13 @@ def main() -> int:
     rows = []
     for case in a.cases:
         for recipe in a.recipes:
+            # --cuda-graph: the whole case (model, DDP, eager steps, capture) on one side stream (see graph_steps)
+            side = torch.cuda.stream(torch.cuda.Stream()) if a.cuda_graph and torch.cuda.is_available() \
+                else contextlib.nullcontext()
             try:
-                rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile,
-                                       a.sync_debug, a.grad_accum, a.cuda_graph))
+                with side:
+                    rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile,
+                                           a.sync_debug, a.grad_accum, a.cuda_graph))
             except Exception as e:  # report and go on: one failing recipe must not hide the others
                 rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
             r = rows[-1]
