@@ -47,7 +47,10 @@ cudaStreamSynchronize / cudaMemcpy is where the host waited for the GPU.
 forwards and backwards captured once in a CUDA graph and replayed, the optimizer step eager after each replay: what
 the step costs with no host work per kernel launch (the `small` steps are host-bound). Not a training mode: the
 stochastic-rounding keys and the non-finite check's clock, host integers given to the kernels, are frozen at
-capture. A capture error is recorded under ``"cuda_graph"`` and the eager numbers are kept.
+capture. A capture error is recorded under ``"cuda_graph"`` and the eager numbers are kept. With ``--cuda-graph``
+each case runs entirely on one side stream (model, megatron's DDP, eager steps, capture): DDP keeps each
+parameter's AccumulateGrad node from its construction, and a capture on another stream than theirs is invalidated
+(seen on the H200 in session 8). Measured on the H200: ``docs/benchmarks.md``, "Training step", session 8.
 
 ``--sync-debug``: after the above (the profiled step included), each case and recipe runs ONE more full training
 step with ``torch.cuda.set_sync_debug_mode("warn")`` (the previous mode restored afterwards, also on error) and
