@@ -55,9 +55,12 @@ def _is_nvfp4_1d(c: OperandCast) -> bool:
 
 
 def _hadamard(t: torch.Tensor) -> torch.Tensor:
-    from kernels.nvfp4.reference import hadamard16_ref
+    """RHT of each 16 consecutive elements of t's last dim, as t.dtype: one Triton kernel where
+    ``use_triton(t)``, the reference otherwise (``kernels.hadamard``; the same bits as
+    ``hadamard16_ref(t).to(t.dtype)``)."""
+    from kernels.hadamard import hadamard16
 
-    return hadamard16_ref(t).to(t.dtype)
+    return hadamard16(t)
 
 
 def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.ProcessGroup | None = None) -> Operand:
