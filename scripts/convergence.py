@@ -13,9 +13,17 @@ Runs (``--runs``; default all):
   mxfp4         MXFP4 (32-element blocks, power-of-two scales)
 
 Each run writes ``<out>/<name>/`` (resolved config, ``metrics.jsonl``, its command line in ``command.txt``),
-then ``scripts/plot_runs.py`` plots loss vs tokens and the relative difference to bf16.
+then ``scripts/plot_runs.py`` plots loss vs tokens and the relative difference to bf16, and a table of the final
+validation losses is printed (``--summarize`` prints it for runs already made).
+
+``--seeds S1 S2 ...`` repeats every run with each seed (``experiment.seed``: the initial weights and the
+stochastic-rounding keys), all with the same data order (``data.seed`` = ``--data-seed``); the runs are then
+named ``<name>_s<seed>``, and the table gives each recipe's mean and sample standard deviation over its seeds:
+the run-to-run spread that one seed per recipe cannot show.
 
     python3 scripts/convergence.py --out runs/convergence --steps 300 -- model=small data.seq_length=1024
+    python3 scripts/convergence.py --out runs/seeds --runs bf16 nvfp4 --seeds 1 2 3 -- model=small
+    python3 scripts/convergence.py --summarize runs/seeds   # the table again, from the runs' metrics.jsonl
     python3 scripts/convergence.py --dry-run          # print the commands
 
 Anything after ``--`` is passed to every run (Hydra overrides).
@@ -24,8 +32,11 @@ Anything after ``--`` is passed to every run (Hydra overrides).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +56,64 @@ RUNS: dict[str, list[str]] = {
 }
 
 
+def run_name(name: str, seed: int, seeds: list[int]) -> str:
+    """The run directory's name: the recipe's alone with one seed, ``<name>_s<seed>`` with several."""
+    return name if len(seeds) == 1 else f"{name}_s{seed}"
+
+
+def final_val_loss(metrics: Path) -> tuple[int, float] | None:
+    """(step, val_loss) of the last evaluation record in a run's ``metrics.jsonl``; None if it has none."""
+    last = None
+    for line in metrics.read_text().splitlines():
+        if '"eval"' not in line:
+            continue
+        r = json.loads(line)
+        if r.get("type") == "eval" and "val_loss" in r:
+            last = (int(r["step"]), float(r["val_loss"]))
+    return last
+
+
+_SEEDED = re.compile(r"^(?P<name>.+)_s(?P<seed>-?\d+)$")
+
+
+def summarize(out: Path) -> str:
+    """A markdown table of the final validation loss per recipe under ``out`` (every ``<run>/metrics.jsonl``):
+    runs named ``<name>_s<seed>`` are grouped by ``<name>``; mean, sample standard deviation (n > 1) and the
+    mean's difference to bf16's in %. Runs whose last evaluation is at another step than the most common one
+    (stopped early) are listed apart and left out of the means."""
+    finals: dict[str, list[tuple[str, int, float]]] = {}
+    for m in sorted(out.glob("*/metrics.jsonl")):
+        run = m.parent.name
+        f = final_val_loss(m)
+        if f is None:
+            continue
+        g = _SEEDED.match(run)
+        finals.setdefault(g["name"] if g else run, []).append((run, *f))
+    if not finals:
+        return f"no evaluation records under {out}"
+    steps = [step for rs in finals.values() for _, step, _ in rs]
+    step = statistics.mode(steps)
+    rows, short = {}, []
+    for name, rs in finals.items():
+        vals = [v for _, st, v in rs if st == step]
+        short += [f"{run} (last evaluation at step {st})" for run, st, _ in rs if st != step]
+        if vals:
+            rows[name] = vals
+    base = statistics.fmean(rows["bf16"]) if "bf16" in rows else None
+    order = [n for n in RUNS if n in rows] + sorted(n for n in rows if n not in RUNS)
+    lines = [f"final validation loss at step {step}", "",
+             "| run | seeds | mean | sd | vs bf16 |", "|---|---|---|---|---|"]
+    for n in order:
+        v = rows[n]
+        mean = statistics.fmean(v)
+        sd = f"{statistics.stdev(v):.4f}" if len(v) > 1 else "–"
+        rel = "–" if base is None or n == "bf16" else f"{100 * (mean / base - 1):+.2f}%"
+        lines.append(f"| {n} | {len(v)} | {mean:.4f} | {sd} | {rel} |")
+    if short:
+        lines += ["", "left out (stopped early): " + "; ".join(short)]
+    return "\n".join(lines)
+
+
 def main() -> int:
     argv = sys.argv[1:]
     extra: list[str] = []
@@ -55,16 +124,28 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "convergence")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1234],
+                    help="experiment.seed of each repeat (initial weights, stochastic-rounding keys); default 1234")
+    ap.add_argument("--data-seed", type=int, default=1234, help="data.seed of every run (one data order)")
+    ap.add_argument("--summarize", type=Path, metavar="DIR",
+                    help="print the final-loss table of the runs under DIR and exit (launches nothing)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds; SIGTERM the runs after this")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
+    if a.summarize is not None:
+        if not a.summarize.is_dir():
+            ap.error(f"--summarize: {a.summarize} is not a directory")
+        print(summarize(a.summarize))
+        return 0
+    if len(set(a.seeds)) != len(a.seeds):
+        ap.error(f"--seeds repeats a seed: {a.seeds}")
     procs = []
-    for name in a.runs:
+    names = [(run_name(n, seed, a.seeds), n, seed) for seed in a.seeds for n in a.runs]
+    for name, recipe, seed in names:
         run_dir = a.out / name
-        cmd = [sys.executable, str(ROOT / "train.py"), *RUNS[name], f"schedule.train_steps={a.steps}",
-               f"experiment.name={name}", f"experiment.run_dir={run_dir}", f"experiment.seed={a.seed}",
-               f"data.seed={a.seed}", *extra]
+        cmd = [sys.executable, str(ROOT / "train.py"), *RUNS[recipe], f"schedule.train_steps={a.steps}",
+               f"experiment.name={name}", f"experiment.run_dir={run_dir}", f"experiment.seed={seed}",
+               f"data.seed={a.data_seed}", *extra]
         line = " ".join(shlex.quote(c) for c in cmd)
         print(line, flush=True)
         if a.dry_run:
@@ -91,10 +172,11 @@ def main() -> int:
                     print(f"[convergence] {name} stopped (timeout), exit {codes[name]}", flush=True)
         time.sleep(2)
     if procs:
-        metrics = [str(a.out / n / "metrics.jsonl") for n in a.runs if (a.out / n / "metrics.jsonl").exists()]
+        metrics = [str(a.out / n / "metrics.jsonl") for n, _, _ in names if (a.out / n / "metrics.jsonl").exists()]
         if metrics:
             subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_runs.py"), *metrics,
                             "--out", str(a.out / "loss.png")], cwd=ROOT)
+            print(summarize(a.out), flush=True)
     return 0 if all(c == 0 for c in codes.values()) else 1
 
 

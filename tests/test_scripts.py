@@ -73,6 +73,43 @@ def test_convergence_dry_run_lists_every_run():
     assert any("precision.ablations.rht=false" in line for line in lines)
 
 
+def test_convergence_seeds_name_runs_and_share_one_data_order():
+    p = _run(["scripts/convergence.py", "--dry-run", "--runs", "bf16", "nvfp4_no_sr", "--seeds", "7", "8",
+              "--data-seed", "5", "--", "model=tiny"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [line for line in p.stdout.splitlines() if "train.py" in line]
+    assert len(lines) == 4
+    for name, seed in [("bf16", 7), ("nvfp4_no_sr", 7), ("bf16", 8), ("nvfp4_no_sr", 8)]:
+        assert any(f"experiment.name={name}_s{seed} " in line and f"experiment.seed={seed} " in line
+                   for line in lines), (name, seed)
+    assert all("data.seed=5 " in line for line in lines)
+    bad = _run(["scripts/convergence.py", "--dry-run", "--seeds", "3", "3"])
+    assert bad.returncode != 0 and "repeats a seed" in bad.stderr
+
+
+def test_convergence_summarize_groups_seeds_and_leaves_out_short_runs(tmp_path):
+    from scripts.convergence import summarize
+
+    def run(name: str, evals: list[tuple[int, float]]) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        recs = [{"type": "train", "step": 1, "loss": 9.0}] + [{"type": "eval", "step": s, "val_loss": v}
+                                                              for s, v in evals]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+    run("bf16_s1", [(10, 5.0), (20, 4.0)])
+    run("bf16_s2", [(10, 5.0), (20, 4.2)])
+    run("nvfp4_no_sr_s1", [(10, 5.1), (20, 4.4)])
+    run("nvfp4_no_sr_s2", [(10, 5.1), (20, 4.2)])
+    run("mxfp4_s1", [(10, 5.3)])  # stopped early: its last evaluation is at step 10
+    table = summarize(tmp_path)
+    assert "final validation loss at step 20" in table
+    assert "| bf16 | 2 | 4.1000 | 0.1414 | – |" in table
+    assert "| nvfp4_no_sr | 2 | 4.3000 | 0.1414 | +4.88% |" in table
+    assert "mxfp4_s1 (last evaluation at step 10)" in table and "| mxfp4 |" not in table
+    assert summarize(tmp_path / "bf16_s1").startswith("no evaluation records")  # nothing below a run dir
+
+
 def test_layout_check_parses_layouts():
     from scripts.layout_check import Layout, parse_layout
 
