@@ -30,10 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._checks import check_2d_float
 from kernels._dispatch import use_triton
 from kernels.fp4_triton import as_kernel_input, load_tile, u32
 from kernels.nvfp4.quantize import _rht_cols
-from kernels.nvfp4.reference import BLOCK, SUPPORTED_DTYPES, hadamard16_ref
+from kernels.nvfp4.reference import BLOCK, hadamard16_ref
 
 __all__ = ["hadamard16", "hadamard16_triton", "check_hadamard_input"]
 
@@ -45,15 +46,7 @@ NUM_WARPS = 4
 
 def check_hadamard_input(x: torch.Tensor) -> None:
     """What ``hadamard16`` accepts: a 2-D bf16 or fp32 tensor whose last dim is a multiple of 16."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"the Hadamard transform takes bfloat16 or float32 input, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(
-            f"the Hadamard transform takes a 2-D tensor, got shape {tuple(x.shape)}; "
-            "flatten leading dims first (x.reshape(-1, x.shape[-1]))"
-        )
+    check_2d_float(x, "the Hadamard transform")
     if x.shape[-1] % BLOCK != 0:
         # the reference's message
         raise ValueError(f"the Hadamard transform mixes groups of {BLOCK}; last dim is {x.shape[-1]}")

@@ -58,11 +58,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._checks import check_2d_float
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
 BLOCK = 128
 E4M3_NAN_BYTE = 0x7F
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 BLOCK_SHAPES = (None, (1, BLOCK), (BLOCK, BLOCK))
 
 
@@ -100,15 +100,7 @@ def normalize_block(block) -> tuple[int, int] | None:
 def check_input(x: torch.Tensor, block) -> tuple[int, int] | None:
     """Validate what the quantizers accept (shared by the reference and the Triton path)."""
     block = normalize_block(block)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"FP8 quantization takes bfloat16 or float32 input, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(
-            f"FP8 quantization takes a 2-D [M, K] tensor, got shape {tuple(x.shape)}; "
-            "flatten leading dims first (x.reshape(-1, x.shape[-1]))"
-        )
+    check_2d_float(x, "FP8 quantization")
     m, k = x.shape
     if block is not None and k % BLOCK != 0:
         raise ValueError(

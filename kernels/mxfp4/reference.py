@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._checks import check_2d_float
 from kernels.fp4_reference import (
     e2m1_decode,
     e2m1_round_nearest,
@@ -65,7 +66,6 @@ E8M0_NAN = 0xFF
 # X = floor(log2(amax)) - 2 is clamped to [-127, 127]: code 0 is the smallest scale 2^-127
 E8M0_MIN_EXP = -127
 FLT_MIN_NORMAL = 2.0**-126
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -92,15 +92,7 @@ class MXFP4Tensor:
 
 def check_input(x: torch.Tensor, block_2d: bool = False) -> None:
     """Validate what the quantizers accept (shared by the reference and the Triton path)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"MXFP4 quantization takes bfloat16 or float32 input, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(
-            f"MXFP4 quantization takes a 2-D [M, K] tensor, got shape {tuple(x.shape)}; "
-            "flatten leading dims first (x.reshape(-1, x.shape[-1]))"
-        )
+    check_2d_float(x, "MXFP4 quantization")
     if x.shape[1] % BLOCK != 0:
         raise ValueError(
             f"MXFP4 blocks are {BLOCK} elements along the last dim, but it has {x.shape[1]} elements "

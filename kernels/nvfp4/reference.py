@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._checks import check_2d_float
 from kernels.fp4_reference import (
     FLT_MAX,
     e2m1_decode,
@@ -53,7 +54,6 @@ FP4_MAX = 6.0
 # 6 * 448: the largest magnitude representable by E2M1 x E4M3
 FP4_E4M3_RANGE = FP4_MAX * E4M3_MAX
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -82,15 +82,7 @@ class NVFP4Tensor:
 
 def check_input(x: torch.Tensor, block_2d: bool) -> None:
     """Validate what the quantizers accept (shared by the reference and the Triton path)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"NVFP4 quantization takes bfloat16 or float32 input, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(
-            f"NVFP4 quantization takes a 2-D [M, K] tensor, got shape {tuple(x.shape)}; "
-            "flatten leading dims first (x.reshape(-1, x.shape[-1]))"
-        )
+    check_2d_float(x, "NVFP4 quantization")
     m, k = x.shape
     if k % BLOCK != 0:
         raise ValueError(
