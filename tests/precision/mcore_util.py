@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
 
@@ -17,6 +22,43 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Two-rank tests: ``spawn_ranks`` starts the worker on every rank; the worker calls ``init_gloo_rank``, runs all its
+# cases (megatron is imported once per rank: that import dominates the cost on CPU) and records each case with
+# ``record_outcome``; one test per case then reads the ranks' outcomes with ``assert_ranks_ok``.
+
+
+def init_gloo_rank(rank: int, port: int, world_size: int = 2, timeout_s: float = 60) -> None:
+    """A worker's set-up: one CPU thread, the CPU-compatibility module, a gloo group over TCP."""
+    torch.set_num_threads(1)
+    enable_cpu_compat()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def record_outcome(out_dir: str, case: str, rank: int, check: Callable[[], None]) -> None:
+    """Run one case's ``check`` on this rank; write "ok", or the traceback of what it raised, to
+    ``out_dir/<case>.rank<rank>``. A failing check whose comparisons come after its last collective leaves
+    the ranks in step for the next case."""
+    try:
+        check()
+        outcome = "ok"
+    except Exception:
+        outcome = traceback.format_exc()
+    Path(out_dir, f"{case}.rank{rank}").write_text(outcome)
+
+
+def spawn_ranks(worker: Callable[[int, int, str], None], out_dir: Path, nprocs: int = 2) -> Path:
+    """Run ``worker(rank, port, str(out_dir))`` on ``nprocs`` processes; returns ``out_dir``."""
+    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=True)
+    return out_dir
+
+
+def assert_ranks_ok(out_dir: Path, case: str, nprocs: int = 2) -> None:
+    for rank in range(nprocs):
+        text = (out_dir / f"{case}.rank{rank}").read_text()
+        assert text == "ok", f"rank {rank}:\n{text}"
 
 
 @contextlib.contextmanager

@@ -35,15 +35,12 @@ What is exactly equal, and why:
 
 from __future__ import annotations
 
-import datetime
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.precision.mcore_util import free_port
+from tests.precision.mcore_util import assert_ranks_ok, init_gloo_rank, record_outcome, spawn_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -191,17 +188,10 @@ def _case_id(recipe_name: str, sp: bool) -> str:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    """Runs every case (megatron is imported once per rank: that import dominates the cost on CPU) and
-    writes each case's outcome to ``out_dir``. The comparisons come after the case's last collective, so a
-    failed case leaves the two ranks in step for the next one."""
-    import traceback
-
-    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
-
-    torch.set_num_threads(1)
-    enable_cpu_compat()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    """Runs every case and records each one's outcome in ``out_dir`` (``mcore_util.record_outcome``). The
+    comparisons come after the case's last collective, so a failed case leaves the two ranks in step for the
+    next one."""
+    init_gloo_rank(rank, port, timeout_s=60)
     from megatron.core import parallel_state
 
     try:
@@ -209,26 +199,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         solo = [dist.new_group([0]), dist.new_group([1])][rank]
         for recipe_name, sp in CASES:
             dist.barrier()
-            try:
-                _check(rank, recipe_name, sp, solo)
-                outcome = "ok"
-            except Exception:
-                outcome = traceback.format_exc()
-            with open(os.path.join(out_dir, f"{_case_id(recipe_name, sp)}.rank{rank}"), "w") as f:
-                f.write(outcome)
+            record_outcome(out_dir, _case_id(recipe_name, sp), rank, lambda: _check(rank, recipe_name, sp, solo))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp2_vs_tp1")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
-    return out
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("tp2_vs_tp1"))
 
 
 @pytest.mark.parametrize("recipe_name, sp", CASES, ids=[_case_id(*c) for c in CASES])
 def test_tp2_equals_tp1(outcomes, recipe_name, sp):
-    for rank in range(2):
-        text = (outcomes / f"{_case_id(recipe_name, sp)}.rank{rank}").read_text()
-        assert text == "ok", f"rank {rank}:\n{text}"
+    assert_ranks_ok(outcomes, _case_id(recipe_name, sp))

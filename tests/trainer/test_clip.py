@@ -15,21 +15,18 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nvfp4_train.optim import (OptimConfig, build_ddp, build_optimizer, clip_grad_norm_sync_free,
                                megatron_optimizer_config, optimizer_step)
-from tests.precision.mcore_util import free_port, megatron_single_rank
+from tests.precision.mcore_util import (assert_ranks_ok, init_gloo_rank, megatron_single_rank, record_outcome,
+                                       spawn_ranks)
 
 VOCAB, HIDDEN, FFN, LAYERS, SEQ, MICRO = 128, 32, 64, 2, 16, 4
 LR = 1e-2
@@ -302,29 +299,22 @@ CASES = ["dp2", "tp2"]
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from megatron.core import parallel_state
 
-    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+    init_gloo_rank(rank, port, timeout_s=120)
 
-    torch.set_num_threads(1)
-    enable_cpu_compat()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    def check(tp: int) -> None:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        try:
+            # DP=2: each rank its own batch (the gradients are averaged, the optimizer sharded);
+            # TP=2: both ranks the same batch
+            data_rank = rank if tp == 1 else 0
+            _check_inactive(1e6, tp=tp, rank=data_rank)
+            _check_active(tp=tp, rank=data_rank)
+        finally:
+            parallel_state.destroy_model_parallel()
+
     try:
         for case in CASES:
-            tp = 2 if case == "tp2" else 1
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-            try:
-                # DP=2: each rank its own batch (the gradients are averaged, the optimizer sharded);
-                # TP=2: both ranks the same batch
-                data_rank = rank if tp == 1 else 0
-                _check_inactive(1e6, tp=tp, rank=data_rank)
-                _check_active(tp=tp, rank=data_rank)
-                outcome = "ok"
-            except Exception:
-                outcome = traceback.format_exc()
-            finally:
-                parallel_state.destroy_model_parallel()
-            with open(os.path.join(out_dir, f"{case}.rank{rank}"), "w") as f:
-                f.write(outcome)
+            record_outcome(out_dir, case, rank, lambda: check(2 if case == "tp2" else 1))
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -332,14 +322,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def dist_outcomes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("clip_dist")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
-    return out
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("clip_dist"))
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_clipping_as_megatron(dist_outcomes, case):
-    for rank in range(2):
-        text = (dist_outcomes / f"{case}.rank{rank}").read_text()
-        assert text == "ok", f"rank {rank}:\n{text}"
+    assert_ranks_ok(dist_outcomes, case)
