@@ -80,7 +80,16 @@ from scripts.bench_train import CASES, _init_dist, build_case  # noqa: E402
 # ------------------------------------------------------------------------------ GPU stand-ins (census only)
 
 
-class _ScanAsMambaSSM(torch.autograd.Function):
+class _StandIn(torch.autograd.Function):
+    """A census stand-in: a subclass's forward computes the output and saves what the GPU library saves; the
+    census never runs a backward."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("saved_census stand-in: forward only")
+
+
+class _ScanAsMambaSSM(_StandIn):
     """Output of ``ssd_chunked_scan``; saves what mamba_ssm's MambaChunkScanCombinedFn saves (z=None)."""
 
     @staticmethod
@@ -94,12 +103,8 @@ class _ScanAsMambaSSM(torch.autograd.Function):
         ctx.save_for_backward(out, x, dt, dA_cumsum, A, B, C, D, None, dt_bias, None, None)
         return out
 
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError("saved_census stand-in: forward only")
 
-
-class _ConvAsCausalConv1d(torch.autograd.Function):
+class _ConvAsCausalConv1d(_StandIn):
     """Output of ``causal_conv1d_ref``; saves what causal_conv1d's CausalConv1dFn saves."""
 
     @staticmethod
@@ -113,12 +118,8 @@ class _ConvAsCausalConv1d(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, None, None)
         return out
 
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError("saved_census stand-in: forward only")
 
-
-class _GatedNormAsMambaSSM(torch.autograd.Function):
+class _GatedNormAsMambaSSM(_StandIn):
     """Output of ``rmsnorm_gated_ref``; saves what mamba_ssm's layernorm_gated LayerNormFn saves (RMS)."""
 
     @staticmethod
@@ -138,12 +139,8 @@ class _GatedNormAsMambaSSM(torch.autograd.Function):
         ctx.save_for_backward(x2, weight.contiguous(), None, None, rstd, z2)
         return out
 
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError("saved_census stand-in: forward only")
 
-
-class _RMSNormAsFused(torch.autograd.Function):
+class _RMSNormAsFused(_StandIn):
     """Output of ``F.rms_norm``; saves what torch's fused CUDA rms_norm node saves (input, weight, rstd)."""
 
     @staticmethod
@@ -153,10 +150,6 @@ class _RMSNormAsFused(torch.autograd.Function):
         rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, weight, rstd)
         return out
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError("saved_census stand-in: forward only")
 
 
 def install_gpu_stand_ins(gpu_conv: str = "kernel") -> None:
