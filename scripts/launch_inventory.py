@@ -2,7 +2,8 @@
 """What one linear layer's forward + backward launches on the GPU code path, counted on CPU.
 
 Runs ``quantized_linear`` (the autograd Function of every quantized layer) under ``TRITON_INTERPRET=1`` with CPU
-tensors, i.e. through the same Python code as on CUDA, and counts
+tensors, i.e. through the same Python code as on CUDA, and counts (with ``scripts/bench_host.py``'s counters, which
+also time that host path)
 
 * the Triton kernel launches, by kernel;
 * the torch operators it calls (views and allocations listed apart: they launch no kernel).
@@ -10,7 +11,8 @@ tensors, i.e. through the same Python code as on CUDA, and counts
 The weight is quantized in a first call and cached, as in training with the weight cache on (one quantization per
 optimizer step), so the counts are those of every further micro-batch. Under the interpreter a few torch operators
 stand in for GPU-only ones (the "cublas" GEMM engine's ``a.float() @ b.float().t()`` instead of ``torch.mm(...,
-out_dtype=float32)``; an fp32 staging copy when dequantizing to bf16): they are marked "interpreter only". Host
+out_dtype=float32)``; an fp32 staging copy when dequantizing to bf16; see ``bench_host``'s docstring): they are
+marked "interpreter only". Host
 cost on the GPU grows with every launch (docs/benchmarks.md, "One linear layer"); this is the count to keep small.
 Only ``nvfp4`` (and its ablations) and ``bf16`` take the same path here as on CUDA: FP8's GEMM is an emulation on
 CPU (``torch._scaled_mm`` is CUDA-only) and MXFP4's GEMM design differs under the interpreter, so their counts are
@@ -22,7 +24,6 @@ not their GPU counts.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -32,61 +33,17 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("launch_inventory: run with TRITON_INTERPRET=1 (the flag is read when triton is imported)")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from kernels.nvfp4 import GEMM_ENGINE_ENV, GEMM_ENGINES  # noqa: E402
-from scripts._aten_ops import launches_kernel  # noqa: E402
-
-# CPU stand-ins of GPU-only operators (see the module docstring)
-INTERPRETER_ONLY = {"_to_copy", "copy_"}
+from scripts.bench_host import measure  # noqa: E402
 
 
 def inventory(recipe_name: str, M: int = 128, K: int = 256, N: int = 128) -> dict:
-    from nvfp4_train.precision.linear import LinearContext, quantized_linear
-    from nvfp4_train.precision.recipe import named_recipe
-
-    ops: collections.Counter = collections.Counter()
-    launches: collections.Counter = collections.Counter()
-    inside = [False]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0]:  # the interpreter's own tensor traffic is not the program's
-                ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
-    run = interpreter.InterpretedFunction.run
-
-    def counted_run(self, *args, **kwargs):
-        launches[self.fn.__name__] += 1
-        inside[0] = True
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            inside[0] = False
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16).requires_grad_()
-    w = torch.randn(N, K, generator=g).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(M, N, generator=g).to(torch.bfloat16)
-    lctx = LinearContext(recipe=named_recipe(recipe_name))
-    interpreter.InterpretedFunction.run = counted_run
-    try:
-        quantized_linear(x, w, None, lctx).backward(dy)  # quantizes and caches the weight
-        x.grad = w.grad = None  # the counted backward writes the gradients, it does not accumulate them
-        ops.clear()
-        launches.clear()
-        with Count():
-            quantized_linear(x, w, None, lctx).backward(dy)
-    finally:
-        interpreter.InterpretedFunction.run = run
-    kernels = {k: v for k, v in ops.items() if launches_kernel(k) and k not in INTERPRETER_ONLY}
-    return dict(recipe=recipe_name, triton=dict(launches), torch_kernels=kernels,
-                interpreter_only={k: v for k, v in ops.items() if k in INTERPRETER_ONLY},
-                no_kernel={k: v for k, v in ops.items() if not launches_kernel(k)},
-                total_launches=sum(launches.values()) + sum(kernels.values()))
+    """The launches of one ``quantized_linear`` fwd+bwd with the weight cached, counted by ``bench_host.measure``
+    (the Triton launches stubbed and counted; the aten ops classified by ``bench_host``'s call-site rules: those
+    that launch a kernel, those that launch none, and those only the interpreter issues)."""
+    r = measure(recipe_name, "function", M, K, N, iters=1, warmup=1)
+    return dict(recipe=recipe_name, triton=r["triton"], torch_kernels=r["torch_kernels"],
+                interpreter_only=r["interpreter_only"], no_kernel=r["no_kernel"], total_launches=r["launches"])
 
 
 def main() -> int:
