@@ -785,10 +785,7 @@ def scale_alpha_triton(
     same bits, three fewer kernel launches)."""
     if acc.dtype != torch.float32:
         raise TypeError(f"scale_alpha_triton: the accumulator must be float32, got {acc.dtype}")
-    if amax is not None:
-        if alpha is not None:
-            raise ValueError("scale_alpha_triton: give alpha or amax, not both")
-        amax = tuple(_amax_scalar(t, acc.device) for t in amax)
+    amax = _amax_pair_scalars("scale_alpha_triton", alpha, amax, acc.device)
     alpha = _check_out_and_alpha(out_dtype, alpha, acc.device)
     if out_dtype == torch.float32 and not acc.is_contiguous():
         raise ValueError("scale_alpha_triton writes fp32 output in place: acc must be contiguous")
@@ -822,6 +819,17 @@ def _scale_alpha(acc: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch
     return out
 
 
+def _amax_pair_scalars(fname: str, alpha: torch.Tensor | None, amax: tuple[torch.Tensor, torch.Tensor] | None,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``amax=(amax_a, amax_b)`` argument of the alpha pass as two ``_amax_scalar``s on ``device`` (None
+    stays None); it excludes ``alpha``. ``fname`` names the caller in the error."""
+    if amax is None:
+        return None
+    if alpha is not None:
+        raise ValueError(f"{fname}: give alpha or amax, not both")
+    return tuple(_amax_scalar(t, device) for t in amax)
+
+
 def _amax_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An amax as the 1-element contiguous fp32 tensor the alpha kernel loads (itself when it already is one)."""
     if not isinstance(t, torch.Tensor) or t.numel() != 1:
@@ -846,10 +854,7 @@ def gemm_alpha_cublas(
     only the fp32 summation order differs). Needs torch >= 2.8 on CUDA. ``amax=(amax_a, amax_b)`` instead of
     ``alpha``: the alpha pass forms ``nvfp4_alpha`` from the two amaxes itself (``scale_alpha_triton``)."""
     alpha = _check_gemm16_args("gemm_alpha_cublas", a, b, alpha, out_dtype, _CUBLAS_DTYPES)
-    if amax is not None:
-        if alpha is not None:
-            raise ValueError("scale_alpha_triton: give alpha or amax, not both")
-        amax = tuple(_amax_scalar(t, a.device) for t in amax)
+    amax = _amax_pair_scalars("gemm_alpha_cublas", alpha, amax, a.device)
     return _gemm_alpha_cublas(a, b, alpha, out_dtype, amax)
 
 
@@ -936,7 +941,6 @@ def predequant_fp4_gemm(
         # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
         # the amax pair are checked here, once
         alpha = _check_out_and_alpha(out_dtype, alpha, da.device)
-        if amax is not None:
-            amax = (_amax_scalar(amax[0], da.device), _amax_scalar(amax[1], da.device))
+        amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, da.device)
         return _gemm_alpha_cublas(da, db, alpha, out_dtype, amax)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)
