@@ -504,34 +504,21 @@ def graph_steps(zero: Callable[[], None], fwd_bwd: Callable[[], None], rest: Cal
     return dict(step_s=t, tokens_per_s=tokens / t)
 
 
-def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
-               profile_dir: Path | None = None, sync_debug: bool = False, grad_accum: int = 1,
-               cuda_graph: bool = False) -> dict:
-    """One case under one recipe. A step is ``grad_accum`` micro-batches of the case's shape (forward + backward
-    each; gradients accumulate in megatron's buffers, reduced once after the last) and, unless ``optimizer`` is
-    False, the optimizer step, as ``train.py`` runs a step. The weight cache quantizes each weight in the first
-    micro-batch and reuses it in the others, so ``grad_accum`` > 1 amortizes that cost as training does."""
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    from models.config import count_parameters
-    from models.flops import training_flops_per_token
+def _nothing(*_args) -> None:
+    pass
+
+
+def train_step(model, ids: torch.Tensor, pos: torch.Tensor, grad_accum: int = 1, optimizer: bool = True):
+    """A training step of ``model`` on the batch ``ids``/``pos`` as ``train.py`` runs one, in pieces:
+    ``(zero, fwd_bwd, rest, step)``. ``zero`` clears the gradients; ``fwd_bwd(after_forward)`` runs the forwards
+    and backwards of ``grad_accum`` micro-batches (megatron's ``no_sync`` for all but the last, as its schedules
+    do; ``after_forward`` called once, after the first forward); ``rest`` reduces the gradients, steps the
+    optimizer and drops the weight caches; ``step(after_forward)`` is the three. With ``optimizer`` the model
+    is wrapped in megatron's DDP with the distributed optimizer (FP32 master weights, AdamW, sync-free clipping)
+    and the weight cache is on (each weight quantized once per step); without, ``zero`` and ``rest`` do nothing.
+    The one step of this benchmark and of ``scripts/op_census.py``."""
     from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
-    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, quant_layers, set_weight_cache
-    from nvfp4_train.precision.operand import operand_nbytes
-
-    _, _, seq, mb, _ = CASES[case]
-    cuda = torch.cuda.is_available()
-    dev = "cuda" if cuda else "cpu"
-    # the previous case's model, DDP buffers and optimizer form reference cycles (megatron's hooks): collect
-    # them, or their memory stays allocated and inflates this case's peak
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    model, mc, lm, ids, pos = build_case(case, recipe, device=dev)
-
-    def nothing() -> None:
-        pass
+    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
 
     if optimizer:
         ddp = net = build_ddp(model, OptimConfig())
@@ -547,20 +534,50 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             optimizer_step(opt, OptimConfig().clip_grad)
             invalidate_weight_caches(model)
     else:
-        net, zero, rest = model, nothing, nothing
+        net, zero, rest = model, _nothing, _nothing
 
-    def fwd_bwd(after_forward: Callable[[], None] = nothing) -> None:
-        for i in range(grad_accum):  # megatron's no_sync for all but the last micro-batch, as its schedules do
+    def fwd_bwd(after_forward: Callable[[], None] = _nothing) -> None:
+        for i in range(grad_accum):
             with ddp.no_sync() if optimizer and i < grad_accum - 1 else contextlib.nullcontext():
                 loss = net(ids, pos, None, labels=ids).float().mean()
                 if i == 0:
                     after_forward()
                 loss.backward()
 
-    def step(after_forward: Callable[[], None] = nothing) -> None:
+    def step(after_forward: Callable[[], None] = _nothing) -> None:
         zero()
         fwd_bwd(after_forward)
         rest()
+
+    return zero, fwd_bwd, rest, step
+
+
+def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
+               profile_dir: Path | None = None, sync_debug: bool = False, grad_accum: int = 1,
+               cuda_graph: bool = False) -> dict:
+    """One case under one recipe. A step is ``grad_accum`` micro-batches of the case's shape (forward + backward
+    each; gradients accumulate in megatron's buffers, reduced once after the last) and, unless ``optimizer`` is
+    False, the optimizer step, as ``train.py`` runs a step. The weight cache quantizes each weight in the first
+    micro-batch and reuses it in the others, so ``grad_accum`` > 1 amortizes that cost as training does."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    from models.config import count_parameters
+    from models.flops import training_flops_per_token
+    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, quant_layers
+    from nvfp4_train.precision.operand import operand_nbytes
+
+    _, _, seq, mb, _ = CASES[case]
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    # the previous case's model, DDP buffers and optimizer form reference cycles (megatron's hooks): collect
+    # them, or their memory stays allocated and inflates this case's peak
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, mc, lm, ids, pos = build_case(case, recipe, device=dev)
+
+    zero, fwd_bwd, rest, step = train_step(model, ids, pos, grad_accum, optimizer)
 
     for _ in range(warmup):
         step()

@@ -127,28 +127,14 @@ def numel(operands: str) -> int:
 
 
 def build_step(case: str, recipe: str, seq: int, mb: int):
-    """bench_train.bench_case's model, DDP, optimizer and step (same config), at micro-batch mb, seq."""
-    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
+    """bench_train's model, DDP, optimizer and step (``bench_train.train_step``, one micro-batch), at micro-batch
+    mb, seq."""
     from nvfp4_train.parallel.setup import init_single_process
-    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
-    from scripts.bench_train import build_case
+    from scripts.bench_train import build_case, train_step
 
     init_single_process()
     model, _, _, ids, pos = build_case(case, recipe, seq, mb)
-    ddp = build_ddp(model, OptimConfig())
-    opt = build_optimizer([ddp], OptimConfig(), lr=1e-4, min_lr=1e-5)
-    set_weight_cache(model, True)
-
-    def step() -> None:
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        loss = ddp(ids, pos, None, labels=ids).float().mean()
-        loss.backward()
-        ddp.finish_grad_sync()
-        optimizer_step(opt, OptimConfig().clip_grad)
-        invalidate_weight_caches(model)
-
-    return step
+    return train_step(model, ids, pos)[3]
 
 
 def census(step) -> list[dict]:
