@@ -707,11 +707,16 @@ def unpack_sdist(path: Path, spec: str, dest: Path) -> Path:
     return src
 
 
-def cmd_cuda_archs(a):
+def _archs_or_die(text: str) -> list[str]:
+    """parse_cuda_archs for the command line: a bad list exits 2 with its message."""
     try:
-        archs = parse_cuda_archs(a.archs)
+        return parse_cuda_archs(text)
     except ValueError as e:
         die(str(e), 2)
+
+
+def cmd_cuda_archs(a):
+    archs = _archs_or_die(a.archs)
     print(",".join(archs), arch_local_version(archs))
 
 
@@ -724,10 +729,7 @@ def cmd_prepare_sdist(a):
     check_sdist(sdist, a.spec)
     src = unpack_sdist(sdist, a.spec, Path(a.dest))
     if a.cuda_arch:
-        try:
-            archs = parse_cuda_archs(a.cuda_arch)
-        except ValueError as e:
-            die(str(e), 2)
+        archs = _archs_or_die(a.cuda_arch)
         setup = src / "setup.py"
         try:
             setup.write_text(restrict_gencode(setup.read_text(encoding="utf-8"), archs,
