@@ -227,6 +227,14 @@ def measure(recipe_name: str, layer: str, m: int, k: int, n: int, iters: int, wa
     return row
 
 
+def print_op_counts(row: dict) -> None:
+    """A ``measure`` row's Triton launches and aten ops by kind, one line each."""
+    print(f"  triton:           {row['triton']}")
+    print(f"  torch kernels:    {row['torch_kernels']}")
+    print(f"  no kernel:        {row['no_kernel']}")
+    print(f"  interpreter only: {row['interpreter_only']}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", nargs="+", default=["nvfp4", "bf16"])
@@ -263,10 +271,7 @@ def main() -> int:
               f"{sum(r['torch_kernels'].values())}) |")
     for r in rows:
         print(f"{r['recipe']} / {r['layer']}:")
-        print(f"  triton:           {r['triton']}")
-        print(f"  torch kernels:    {r['torch_kernels']}")
-        print(f"  no kernel:        {r['no_kernel']}")
-        print(f"  interpreter only: {r['interpreter_only']}")
+        print_op_counts(r)
         for line, c in sorted(r.get("by_line", {}).items()):
             print(f"    {c:3d}  {line}")
     if a.json:

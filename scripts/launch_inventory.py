@@ -34,7 +34,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.nvfp4 import GEMM_ENGINE_ENV, GEMM_ENGINES  # noqa: E402
-from scripts.bench_host import measure  # noqa: E402
+from scripts.bench_host import measure, print_op_counts  # noqa: E402
 
 
 def inventory(recipe_name: str, M: int = 128, K: int = 256, N: int = 128) -> dict:
@@ -58,10 +58,7 @@ def main() -> int:
     for r in rows:
         note = "" if r["recipe"].startswith("nvfp4") or r["recipe"] == "bf16" else "  (CPU path: not the GPU count)"
         print(f"{r['recipe']}: {r['total_launches']} kernel launches per fwd+bwd (weight cached){note}")
-        print(f"  triton:           {r['triton']}")
-        print(f"  torch kernels:    {r['torch_kernels']}")
-        print(f"  interpreter only: {r['interpreter_only']}")
-        print(f"  no kernel:        {r['no_kernel']}")
+        print_op_counts(r)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0
