@@ -18,8 +18,9 @@ validation losses is printed (``--summarize`` prints it for runs already made).
 
 ``--seeds S1 S2 ...`` repeats every run with each seed (``experiment.seed``: the initial weights and the
 stochastic-rounding keys), all with the same data order (``data.seed`` = ``--data-seed``); the runs are then
-named ``<name>_s<seed>``, and the table gives each recipe's mean and sample standard deviation over its seeds:
-the run-to-run spread that one seed per recipe cannot show.
+named ``<name>_s<seed>``, and the table gives each recipe's mean and sample standard deviation over its seeds
+(the run-to-run spread that one seed per recipe cannot show) and its difference to bf16 paired by seed, with a
+standard error.
 
     python3 scripts/convergence.py --out runs/convergence --steps 300 -- model=small data.seq_length=1024
     python3 scripts/convergence.py --out runs/seeds --runs bf16 nvfp4 --seeds 1 2 3 -- model=small
@@ -80,35 +81,48 @@ def summarize(out: Path) -> str:
     """A markdown table of the final validation loss per recipe under ``out`` (every ``<run>/metrics.jsonl``):
     runs named ``<name>_s<seed>`` are grouped by ``<name>``; mean, sample standard deviation (n > 1) and the
     mean's difference to bf16's in %. Runs whose last evaluation is at another step than the most common one
-    (stopped early) are listed apart and left out of the means."""
-    finals: dict[str, list[tuple[str, int, float]]] = {}
+    (stopped early) are listed apart and left out of the means.
+
+    With seeds, the last column pairs each run with bf16's run of the same seed (same initial weights and data
+    order): the mean over seeds of ``run / bf16 - 1`` in %, with its standard error (sample sd / sqrt(n)) and
+    the number of pairs. The seed moves every recipe's loss alike to some degree, so the paired difference is
+    the comparison the seeds are for; the unpaired means carry the seed-to-seed spread of both."""
+    finals: dict[str, list[tuple[str, str | None, int, float]]] = {}
     for m in sorted(out.glob("*/metrics.jsonl")):
         run = m.parent.name
         f = final_val_loss(m)
         if f is None:
             continue
         g = _SEEDED.match(run)
-        finals.setdefault(g["name"] if g else run, []).append((run, *f))
+        name, seed = (g["name"], g["seed"]) if g else (run, None)
+        finals.setdefault(name, []).append((run, seed, *f))
     if not finals:
         return f"no evaluation records under {out}"
-    steps = [step for rs in finals.values() for _, step, _ in rs]
+    steps = [step for rs in finals.values() for _, _, step, _ in rs]
     step = statistics.mode(steps)
-    rows, short = {}, []
+    rows: dict[str, dict[str | None, float]] = {}
+    short = []
     for name, rs in finals.items():
-        vals = [v for _, st, v in rs if st == step]
-        short += [f"{run} (last evaluation at step {st})" for run, st, _ in rs if st != step]
+        short += [f"{run} (last evaluation at step {st})" for run, _, st, _ in rs if st != step]
+        vals = {seed: v for _, seed, st, v in rs if st == step}
         if vals:
             rows[name] = vals
-    base = statistics.fmean(rows["bf16"]) if "bf16" in rows else None
+    bf16 = rows.get("bf16", {})
+    base = statistics.fmean(bf16.values()) if bf16 else None
     order = [n for n in RUNS if n in rows] + sorted(n for n in rows if n not in RUNS)
     lines = [f"final validation loss at step {step}", "",
-             "| run | seeds | mean | sd | vs bf16 |", "|---|---|---|---|---|"]
+             "| run | seeds | mean | sd | vs bf16 | paired vs bf16 (mean ± s.e., pairs) |",
+             "|---|---|---|---|---|---|"]
     for n in order:
-        v = rows[n]
+        v = list(rows[n].values())
         mean = statistics.fmean(v)
         sd = f"{statistics.stdev(v):.4f}" if len(v) > 1 else "–"
         rel = "–" if base is None or n == "bf16" else f"{100 * (mean / base - 1):+.2f}%"
-        lines.append(f"| {n} | {len(v)} | {mean:.4f} | {sd} | {rel} |")
+        d = [100 * (x / bf16[s] - 1) for s, x in rows[n].items() if s is not None and s in bf16]
+        paired = "–"
+        if n != "bf16" and len(d) > 1:
+            paired = f"{statistics.fmean(d):+.2f}% ± {statistics.stdev(d) / len(d) ** 0.5:.2f}%, {len(d)}"
+        lines.append(f"| {n} | {len(v)} | {mean:.4f} | {sd} | {rel} | {paired} |")
     if short:
         lines += ["", "left out (stopped early): " + "; ".join(short)]
     return "\n".join(lines)

@@ -104,8 +104,9 @@ def test_convergence_summarize_groups_seeds_and_leaves_out_short_runs(tmp_path):
     run("mxfp4_s1", [(10, 5.3)])  # stopped early: its last evaluation is at step 10
     table = summarize(tmp_path)
     assert "final validation loss at step 20" in table
-    assert "| bf16 | 2 | 4.1000 | 0.1414 | – |" in table
-    assert "| nvfp4_no_sr | 2 | 4.3000 | 0.1414 | +4.88% |" in table
+    assert "| bf16 | 2 | 4.1000 | 0.1414 | – | – |" in table
+    # paired by seed: 4.4 / 4.0 - 1 = +10%, 4.2 / 4.2 - 1 = 0%: mean +5%, s.e. = sd(10, 0) / sqrt(2) = 5%
+    assert "| nvfp4_no_sr | 2 | 4.3000 | 0.1414 | +4.88% | +5.00% ± 5.00%, 2 |" in table
     assert "mxfp4_s1 (last evaluation at step 10)" in table and "| mxfp4 |" not in table
     assert summarize(tmp_path / "bf16_s1").startswith("no evaluation records")  # nothing below a run dir
 
