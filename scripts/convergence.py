@@ -13,8 +13,9 @@ Runs (``--runs``; default all):
   mxfp4         MXFP4 (32-element blocks, power-of-two scales)
 
 Each run writes ``<out>/<name>/`` (resolved config, ``metrics.jsonl``, its command line in ``command.txt``),
-then ``scripts/plot_runs.py`` plots loss vs tokens and the relative difference to bf16, and a table of the final
-validation losses is printed (``--summarize`` prints it for runs already made).
+then ``scripts/plot_runs.py`` plots loss vs tokens and the relative difference to bf16 (``loss.png``; with several
+seeds ``seeds_val_loss.png``, paired by seed: ``plot_runs.py --seeds-dir``), and a table of the final validation
+losses is printed (``--summarize`` prints it for runs already made).
 
 ``--seeds S1 S2 ...`` repeats every run with each seed (``experiment.seed``: the initial weights and the
 stochastic-rounding keys), all with the same data order (``data.seed`` = ``--data-seed``); the runs are then
@@ -77,6 +78,17 @@ def final_val_loss(metrics: Path) -> tuple[int, float] | None:
 _SEEDED = re.compile(r"^(?P<name>.+)_s(?P<seed>-?\d+)$")
 
 
+def group_runs(out: Path) -> dict[str, dict[str | None, Path]]:
+    """The run directories under ``out`` that hold a ``metrics.jsonl``, by recipe and seed: ``<name>_s<seed>``
+    is ``{name: {seed: dir}}``, any other ``<run>`` is ``{run: {None: dir}}``."""
+    groups: dict[str, dict[str | None, Path]] = {}
+    for m in sorted(out.glob("*/metrics.jsonl")):
+        g = _SEEDED.match(m.parent.name)
+        name, seed = (g["name"], g["seed"]) if g else (m.parent.name, None)
+        groups.setdefault(name, {})[seed] = m.parent
+    return groups
+
+
 def summarize(out: Path) -> str:
     """A markdown table of the final validation loss per recipe under ``out`` (every ``<run>/metrics.jsonl``):
     runs named ``<name>_s<seed>`` are grouped by ``<name>``; mean, sample standard deviation (n > 1) and the
@@ -88,14 +100,11 @@ def summarize(out: Path) -> str:
     the number of pairs. The seed moves every recipe's loss alike to some degree, so the paired difference is
     the comparison the seeds are for; the unpaired means carry the seed-to-seed spread of both."""
     finals: dict[str, list[tuple[str, str | None, int, float]]] = {}
-    for m in sorted(out.glob("*/metrics.jsonl")):
-        run = m.parent.name
-        f = final_val_loss(m)
-        if f is None:
-            continue
-        g = _SEEDED.match(run)
-        name, seed = (g["name"], g["seed"]) if g else (run, None)
-        finals.setdefault(name, []).append((run, seed, *f))
+    for name, runs in group_runs(out).items():
+        for seed, d in runs.items():
+            f = final_val_loss(d / "metrics.jsonl")
+            if f is not None:
+                finals.setdefault(name, []).append((d.name, seed, *f))
     if not finals:
         return f"no evaluation records under {out}"
     steps = [step for rs in finals.values() for _, _, step, _ in rs]
@@ -187,9 +196,13 @@ def main() -> int:
         time.sleep(2)
     if procs:
         metrics = [str(a.out / n / "metrics.jsonl") for n, _, _ in names if (a.out / n / "metrics.jsonl").exists()]
+        plot = [sys.executable, str(ROOT / "scripts" / "plot_runs.py")]
+        if metrics and len(a.seeds) > 1 and "bf16" in a.runs:  # each recipe against bf16's run of its seed
+            subprocess.run([*plot, "--seeds-dir", str(a.out), "--metric", "val_loss",
+                            "--out", str(a.out / "seeds_val_loss.png")], cwd=ROOT)
+        elif metrics:
+            subprocess.run([*plot, *metrics, "--out", str(a.out / "loss.png")], cwd=ROOT)
         if metrics:
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_runs.py"), *metrics,
-                            "--out", str(a.out / "loss.png")], cwd=ROOT)
             print(summarize(a.out), flush=True)
     return 0 if all(c == 0 for c in codes.values()) else 1
 

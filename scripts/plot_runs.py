@@ -7,6 +7,13 @@ Each argument is a run directory (its ``metrics.jsonl``) or a JSONL file. The ba
 run. The relative difference (run - baseline) / baseline is taken at the run's token counts, the baseline
 linearly interpolated there (only where the baseline covers them). ``--smooth N``: a trailing mean over N
 records before comparing (training losses are noisy; evaluation losses need none).
+
+``--seeds-dir DIR`` plots the runs of ``scripts/convergence.py --seeds`` (``<recipe>_s<seed>`` under DIR) instead:
+each recipe's mean over its seeds, and below, each recipe's difference to the baseline recipe's run of the same
+seed, averaged over the seeds, with a band of one standard error (sd / sqrt(pairs)); only the steps every seed of
+both recipes logged are used:
+
+    python scripts/plot_runs.py --seeds-dir runs/seeds --metric val_loss --out seeds_val_loss.png
 """
 
 from __future__ import annotations
@@ -80,15 +87,92 @@ def plot_runs(paths: list[Path], out: Path, *, baseline: Path | None = None, met
     return out
 
 
+def _common(series: list[tuple]) -> tuple:
+    """The x values every series has, and each series' y there (series: (x, y) pairs of numpy arrays)."""
+    import numpy as np
+
+    xs = series[0][0]
+    for x, _ in series[1:]:
+        xs = np.intersect1d(xs, x)
+    return xs, [y[np.isin(x, xs)] for x, y in series]
+
+
+def paired_difference(runs: list[tuple], bases: list[tuple]) -> tuple:
+    """``runs[i]`` against ``bases[i]`` (same seed), both (x, y) series: at the x values all of them have, the mean
+    over i of ``100 * (run / base - 1)`` and its standard error (sd / sqrt(n); None for one pair)."""
+    import numpy as np
+
+    x, ys = _common(list(runs) + list(bases))
+    rel = 100.0 * (np.array(ys[:len(runs)]) / np.array(ys[len(runs):]) - 1.0)
+    se = rel.std(axis=0, ddof=1) / np.sqrt(len(runs)) if len(runs) > 1 else None
+    return x, rel.mean(axis=0), se
+
+
+def plot_seeds(seeds_dir: Path, out: Path, *, baseline: str = "bf16", metric: str = "val_loss",
+               smooth: int = 1) -> Path:
+    """Mean over seeds per recipe and the seed-paired difference to ``baseline`` (see the module docstring)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from scripts.convergence import RUNS, group_runs
+
+    groups = {n: {s: d for s, d in runs.items() if s is not None} for n, runs in group_runs(seeds_dir).items()}
+    groups = {n: runs for n, runs in groups.items() if runs}
+    if baseline not in groups:
+        raise SystemExit(f"{seeds_dir}: no seeded runs of the baseline {baseline!r} (<{baseline}_s<seed>/metrics.jsonl)")
+    order = [n for n in RUNS if n in groups] + sorted(n for n in groups if n not in RUNS)
+    series = {n: {s: _series(d, metric, smooth) for s, d in runs.items()} for n, runs in groups.items()}
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for n in order:
+        x, ys = _common(list(series[n].values()))
+        (line,) = ax1.plot(x, np.mean(ys, axis=0), lw=1.2, label=f"{n} (mean of {len(ys)} seeds)")
+        pairs = sorted(set(series[n]) & set(series[baseline]))
+        if n == baseline or not pairs:
+            continue
+        x, mean, se = paired_difference([series[n][s] for s in pairs], [series[baseline][s] for s in pairs])
+        ax2.plot(x, mean, lw=1.2, color=line.get_color(), label=f"{n} ({len(pairs)} pairs)")
+        if se is not None:
+            ax2.fill_between(x, mean - se, mean + se, color=line.get_color(), alpha=0.2, lw=0)
+    ax1.set_ylabel(metric + (f" (mean of {smooth})" if smooth > 1 else "") + ", mean over seeds")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.axhline(0.0, color="k", lw=0.8)
+    ax2.set_ylabel(f"vs {baseline}, same seed (%): mean ± s.e.")
+    ax2.set_xlabel("tokens")
+    ax2.grid(alpha=0.3)
+    ax2.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="run directories or metrics.jsonl files")
-    ap.add_argument("--baseline", type=Path, default=None, help="run to compare against (default: the first)")
+    ap.add_argument("runs", nargs="*", type=Path, help="run directories or metrics.jsonl files")
+    ap.add_argument("--baseline", default=None,
+                    help="run to compare against (default: the first); with --seeds-dir a recipe name (default bf16)")
+    ap.add_argument("--seeds-dir", type=Path, default=None,
+                    help="plot convergence.py --seeds runs (<recipe>_s<seed>) under this folder, paired by seed")
     ap.add_argument("--metric", default="loss", choices=["loss", "val_loss"])
     ap.add_argument("--smooth", type=int, default=1, help="trailing mean over this many records")
     ap.add_argument("--out", type=Path, default=Path("loss.png"))
     a = ap.parse_args(argv)
-    print(plot_runs(a.runs, a.out, baseline=a.baseline, metric=a.metric, smooth=a.smooth))
+    if a.seeds_dir is not None:
+        if a.runs:
+            ap.error("give either run directories or --seeds-dir, not both")
+        if not a.seeds_dir.is_dir():
+            ap.error(f"--seeds-dir: {a.seeds_dir} is not a directory")
+        print(plot_seeds(a.seeds_dir, a.out, baseline=a.baseline or "bf16", metric=a.metric, smooth=a.smooth))
+        return 0
+    if not a.runs:
+        ap.error("give at least one run directory or metrics.jsonl file (or --seeds-dir)")
+    baseline = None if a.baseline is None else Path(a.baseline)
+    print(plot_runs(a.runs, a.out, baseline=baseline, metric=a.metric, smooth=a.smooth))
     return 0
 
 

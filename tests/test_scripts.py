@@ -87,6 +87,19 @@ def test_convergence_seeds_name_runs_and_share_one_data_order():
     assert bad.returncode != 0 and "repeats a seed" in bad.stderr
 
 
+def test_convergence_runs_seeds_then_plots_and_summarizes(tmp_path):
+    """The launch path end to end: two seeds of the tiny model train, then the paired plot and the table."""
+    out = tmp_path / "cv"
+    p = _run(["scripts/convergence.py", "--out", str(out), "--runs", "bf16", "--steps", "2", "--seeds", "1", "2",
+              "--", "model=tiny", "data.seq_length=128", "schedule.global_batch_size=2", "schedule.micro_batch_size=2",
+              "schedule.eval_interval=1", "schedule.eval_batches=1", "schedule.warmup_steps=1",
+              "logging.wandb=disabled", "logging.tensorboard=false", "checkpoint.interval=0",
+              "checkpoint.save_at_end=false"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert (out / "seeds_val_loss.png").stat().st_size > 0
+    assert "final validation loss at step 2" in p.stdout and "| bf16 | 2 |" in p.stdout
+
+
 def test_convergence_summarize_groups_seeds_and_leaves_out_short_runs(tmp_path):
     from scripts.convergence import summarize
 
@@ -254,3 +267,34 @@ def test_bench_host_prints_its_fields(tmp_path):
     assert nv["host_us"] > 0 and nv["aten_ops"] > 0 and nv["triton"]["_quantize_grouped_kernel"] == 2
     assert nv["launches"] == 15 and rows[2]["launches"] == 15 + 8  # the non-finite check: 4 launches, twice
     assert "mm" in nv["torch_kernels"] and "_to_copy" in nv["interpreter_only"]
+
+
+def test_plot_seeds_pairs_runs_by_seed(tmp_path):
+    import numpy as np
+
+    from scripts.plot_runs import main, paired_difference
+
+    # two seeds; the run is 10% and 20% above its own seed's baseline where both logged (x = 1, 2); the
+    # baseline of seed 2 also logged x = 3, which the run of seed 2 did not: left out
+    x12, x123 = np.array([1.0, 2.0]), np.array([1.0, 2.0, 3.0])
+    x, mean, se = paired_difference([(x12, np.array([1.1, 2.2])), (x12, np.array([1.2, 2.4]))],
+                                    [(x12, np.array([1.0, 2.0])), (x123, np.array([1.0, 2.0, 7.0]))])
+    assert x.tolist() == [1.0, 2.0]
+    np.testing.assert_allclose(mean, [15.0, 15.0])
+    np.testing.assert_allclose(se, [5.0, 5.0])  # sd(10, 20) / sqrt(2)
+    assert paired_difference([(x12, np.array([1.1, 2.2]))], [(x12, np.array([1.0, 2.0]))])[2] is None
+
+    def run(name: str, losses: list[float]) -> None:
+        d = tmp_path / "seeds" / name
+        d.mkdir(parents=True)
+        recs = [{"type": "eval", "step": i + 1, "tokens": 100 * (i + 1), "val_loss": v} for i, v in enumerate(losses)]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+    for seed, k in ((1, 1.1), (2, 1.2)):
+        run(f"bf16_s{seed}", [5.0, 4.0])
+        run(f"nvfp4_s{seed}", [5.0 * k, 4.0 * k])
+    out = tmp_path / "seeds.png"
+    assert main(["--seeds-dir", str(tmp_path / "seeds"), "--metric", "val_loss", "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+    with pytest.raises(SystemExit, match="no seeded runs of the baseline 'fp8'"):
+        main(["--seeds-dir", str(tmp_path / "seeds"), "--metric", "val_loss", "--baseline", "fp8", "--out", str(out)])
