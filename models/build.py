@@ -91,6 +91,9 @@ def transformer_config(
         mamba_head_dim=model_cfg.mamba_head_dim or 64,
         mamba_num_groups=model_cfg.mamba_num_groups,
         mamba_num_heads=model_cfg.mamba_num_heads,
+        # megatron-core 0.16's default ("full") is deprecated by its own __post_init__, which warns on every
+        # build; an empty list is the same setting (no CUDA graphs are captured: cuda_graph_impl stays "none")
+        cuda_graph_scope=[],
     )
     return cfg
 
