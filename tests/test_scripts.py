@@ -89,15 +89,17 @@ def test_convergence_seeds_name_runs_and_share_one_data_order():
 
 def test_convergence_runs_seeds_then_plots_and_summarizes(tmp_path):
     """The launch path end to end: two seeds of the tiny model train, then the paired plot and the table."""
+    from tests.trainer.runs import TINY  # the trainer tests' GPT stand-in and token files (a clean clone has no data/)
+
     out = tmp_path / "cv"
-    p = _run(["scripts/convergence.py", "--out", str(out), "--runs", "bf16", "--steps", "2", "--seeds", "1", "2",
-              "--", "model=tiny", "data.seq_length=128", "schedule.global_batch_size=2", "schedule.micro_batch_size=2",
-              "schedule.eval_interval=1", "schedule.eval_batches=1", "schedule.warmup_steps=1",
-              "logging.wandb=disabled", "logging.tensorboard=false", "checkpoint.interval=0",
-              "checkpoint.save_at_end=false"])
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    overrides = [o for o in TINY if not o.startswith("schedule.eval_interval=")] + [
+        "schedule.eval_interval=3", "checkpoint.save_at_end=false"]
+    p = _run(["scripts/convergence.py", "--out", str(out), "--runs", "bf16", "--steps", "3", "--seeds", "1", "2",
+              "--", *overrides])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + "".join(
+        (out / f"bf16_s{s}" / "stdout.log").read_text()[-1500:] for s in (1, 2) if (out / f"bf16_s{s}").exists())
     assert (out / "seeds_val_loss.png").stat().st_size > 0
-    assert "final validation loss at step 2" in p.stdout and "| bf16 | 2 |" in p.stdout
+    assert "final validation loss at step 3" in p.stdout and "| bf16 | 2 |" in p.stdout
 
 
 def test_convergence_summarize_groups_seeds_and_leaves_out_short_runs(tmp_path):
