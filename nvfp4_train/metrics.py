@@ -46,6 +46,12 @@ class LoggingConfig:
     wandb_project: str = "nvfp4-train"
     telemetry_interval: int = 0
     """Per-layer quantization telemetry every this many steps (0: off)."""
+    nonfinite_check: str = "every_step"
+    """When the quantized layers check their outputs and input gradients for NaN/inf, so that a skipped step
+    names the first non-finite layer: ``every_step`` (default), or ``after_skip``: off until a step is skipped,
+    then on until a step succeeds (a run of bad steps is named from its second step on). The check costs 8
+    small kernel launches per layer forward + backward: ``after_skip`` is for host-bound runs
+    (``docs/training.md``, "Non-finite steps")."""
     peak_tflops: float | None = None
     """Dense bf16 peak of one device for MFU. None: known GPUs (H100/H200 989, B200 2250), else no MFU."""
 
@@ -58,7 +64,12 @@ class LoggingConfig:
             raise ValueError(f"logging.wandb={self.wandb!r} is not one of offline, online, disabled")
         if self.telemetry_interval < 0:
             raise ValueError(f"logging.telemetry_interval={self.telemetry_interval} must be >= 0")
+        if self.nonfinite_check not in NONFINITE_CHECK_MODES:
+            raise ValueError(f"logging.nonfinite_check={self.nonfinite_check!r} is not one of "
+                             f"{', '.join(NONFINITE_CHECK_MODES)}")
 
+
+NONFINITE_CHECK_MODES = ("every_step", "after_skip")
 
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "B100": 1750.0, "GB200": 2500.0,
                 "A100": 312.0}

@@ -151,6 +151,28 @@ def _telemetry_module():
         return None
 
 
+class NonfiniteChecks:
+    """When the quantized layers run their non-finite check (``logging.nonfinite_check``): ``every_step``
+    leaves it on; ``after_skip`` switches it off, on again after a skipped step (so the next bad step of a run
+    names its first non-finite layer) and off after the next successful step. ``tel`` is the telemetry module
+    (``None``: nothing to switch)."""
+
+    def __init__(self, mode: str, tel, module) -> None:
+        self.mode, self.tel, self.module = mode, tel, module
+        self.on = True  # the layers' default
+        if mode == "after_skip":
+            self._set(False)
+
+    def _set(self, on: bool) -> None:
+        if on != self.on and self.tel is not None:
+            self.tel.set_nonfinite_check(self.module, on)
+        self.on = on
+
+    def after_step(self, ok: bool) -> None:
+        if self.mode == "after_skip":
+            self._set(not ok)
+
+
 def _set_weight_cache(module, enabled: bool) -> None:
     from nvfp4_train.precision.megatron_linear import set_weight_cache
 
@@ -483,6 +505,7 @@ class _Trainer:
         last_eval_step = -1
         stopped = False
         streak = None  # (step, layer, "forward" | "backward") of the first non-finite layer of a run of bad steps
+        checks = NonfiniteChecks(cfg.logging.nonfinite_check, self.tel_mod, module)
         telemetry_next = False  # collect telemetry in the next step (after a skipped step or a loss spike)
         loader_it = iter(self._loader(self.train_ds, self.step * sc.global_batch_size + self.skipped_samples))
         try:
@@ -544,6 +567,7 @@ class _Trainer:
                                        consecutive=consecutive_bad, first_nonfinite_layer=layer)
                     self.metrics.note(f"step {self.step}: skipped (non-finite {'loss' if bad_loss > 0 else 'gradient'}"
                                       f"{f', first in {layer}' if layer else ''}); {consecutive_bad} in a row")
+                checks.after_step(ok)
                 if self.step % cfg.logging.interval == 0 or self.step == total:
                     tps = self.sched.tokens_per_step / dt if dt > 0 else float("nan")
                     mfu = (self.flops_per_token * tps / (self.peak_flops * self.ps.world_size)

@@ -153,6 +153,44 @@ def test_first_nonfinite_layer(gen, recipe):
     assert first_nonfinite_layer(model) is None
 
 
+@pytest.mark.parametrize("mode", ["every_step", "after_skip"])
+def test_nonfinite_checks_after_skip_checks_only_after_a_skipped_step(gen, mode):
+    """The trainer's ``logging.nonfinite_check``: ``after_skip`` leaves a bad step unnamed, names the next one,
+    and switches the check off again after a good step; ``every_step`` names every bad step."""
+    from nvfp4_train.trainer import NonfiniteChecks
+
+    cfg = config()
+    model = torch.nn.ModuleDict({
+        "fc1": column(QuantColumnParallelLinear, 32, 64, cfg, recipe=named_recipe("nvfp4"), layer_name="0.mlp.fc1"),
+        "fc2": row(QuantRowParallelLinear, 64, 32, cfg, recipe=named_recipe("nvfp4"), layer_name="0.mlp.fc2"),
+    })
+
+    def step(bad: bool) -> str | None:
+        """One step (an Inf in the output gradient when ``bad``), then what the trainer reports for it."""
+        x = torch.randn(8, 2, 32, generator=gen).bfloat16().requires_grad_()
+        h, _ = model["fc1"](x)
+        y, _ = model["fc2"](torch.relu(h))
+        dy = torch.randn_like(y)
+        if bad:
+            dy[0, 0, 0] = float("inf")
+        y.backward(dy)
+        first = first_nonfinite_layer(model)
+        reset_nonfinite(model)
+        checks.after_step(not bad)
+        return first
+
+    checks = NonfiniteChecks(mode, tel_mod, model)
+    checked = mode == "every_step"
+    assert all(m.quant_telemetry.check_nonfinite is checked for m in model.values())
+    assert step(bad=True) == ("0.mlp.fc2" if checked else None)  # after_skip: the first bad step is unnamed
+    assert all(m.quant_telemetry.check_nonfinite for m in model.values())  # on after a skipped step
+    assert step(bad=True) == "0.mlp.fc2"  # ... so the next bad step is named
+    assert step(bad=False) is None
+    assert all(m.quant_telemetry.check_nonfinite is checked for m in model.values())  # after_skip: off again
+    assert step(bad=True) == ("0.mlp.fc2" if checked else None)
+    NonfiniteChecks(mode, None, model).after_step(False)  # no telemetry module: nothing to switch, no error
+
+
 # -- the non-finite check's kernel launches and its equivalence with the isfinite/where formulation
 
 

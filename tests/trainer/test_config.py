@@ -37,6 +37,7 @@ def test_unknown_key_or_wrong_type_names_it(override, needle):
     ("optim.max_consecutive_bad_steps=0", "max_consecutive_bad_steps=0"),
     ("schedule.decay_style=step", "decay_style='step'"),
     ("logging.wandb=maybe", "logging.wandb='maybe'"),
+    ("logging.nonfinite_check=never", "logging.nonfinite_check='never' is not one of every_step, after_skip"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last=0"),
     ("checkpoint.verify=md5", "checkpoint.verify='md5'"),
     ("checkpoint.optim_format=zip", "checkpoint.optim_format='zip'"),

@@ -139,3 +139,17 @@ def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
     layers = tel[0]["layers"]
     assert "blocks.2.attention.qkv" in layers and "blocks.0.mamba.in_proj" not in layers  # block 0 is bf16
     assert set(layers["blocks.2.attention.qkv"]["fprop.x"]) == {"zero", "saturated", "sqnr_db"}
+
+
+def test_nonfinite_check_after_skip_trains_the_hybrid_nvfp4_model(tmp_path):
+    """``logging.nonfinite_check=after_skip`` through train.py with real quantized layers: the check starts off
+    (test_telemetry covers the switching) and training is unchanged by it: the losses equal the default's."""
+    pytest.importorskip("models.build")
+    base = ["model=tiny", "precision=nvfp4", *[a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment")],
+            "schedule.train_steps=3"]
+    a = start([*base, f"experiment.run_dir={tmp_path / 'a'}"], log=tmp_path / "a.log")
+    b = start([*base, "logging.nonfinite_check=after_skip", f"experiment.run_dir={tmp_path / 'b'}"], log=tmp_path / "b.log")
+    assert a.wait(timeout=300) == 0, tail(tmp_path / "a.log")
+    assert b.wait(timeout=300) == 0, tail(tmp_path / "b.log")
+    la, lb = ([r["loss"] for r in load_metrics(tmp_path / d)] for d in ("a", "b"))
+    assert len(la) == 3 and la == lb
