@@ -554,11 +554,13 @@ def train_step(model, ids: torch.Tensor, pos: torch.Tensor, grad_accum: int = 1,
 
 def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool = True,
                profile_dir: Path | None = None, sync_debug: bool = False, grad_accum: int = 1,
-               cuda_graph: bool = False) -> dict:
+               cuda_graph: bool = False, nonfinite_check: str = "every_step") -> dict:
     """One case under one recipe. A step is ``grad_accum`` micro-batches of the case's shape (forward + backward
     each; gradients accumulate in megatron's buffers, reduced once after the last) and, unless ``optimizer`` is
     False, the optimizer step, as ``train.py`` runs a step. The weight cache quantizes each weight in the first
-    micro-batch and reuses it in the others, so ``grad_accum`` > 1 amortizes that cost as training does."""
+    micro-batch and reuses it in the others, so ``grad_accum`` > 1 amortizes that cost as training does.
+    ``nonfinite_check``: the per-layer non-finite check as ``train.py``'s ``logging.nonfinite_check`` leaves it
+    in a step that follows a successful one (``after_skip``: off)."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     from models.config import count_parameters
@@ -576,6 +578,12 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model, mc, lm, ids, pos = build_case(case, recipe, device=dev)
+    if nonfinite_check not in ("every_step", "after_skip"):
+        raise ValueError(f"nonfinite_check={nonfinite_check!r} is not one of every_step, after_skip")
+    from nvfp4_train.precision.telemetry import set_nonfinite_check
+
+    set_nonfinite_check(model, nonfinite_check == "every_step")
+    checked = sum(m.quant_telemetry.check_nonfinite for m in quant_layers(model))
 
     zero, fwd_bwd, rest, step = train_step(model, ids, pos, grad_accum, optimizer)
 
@@ -624,7 +632,8 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
                bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t, tokens_per_s=tps,
                tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
                peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30,
-               saved_gib=saved / 2**30, weight_copies_gib=wcopies / 2**30)
+               saved_gib=saved / 2**30, weight_copies_gib=wcopies / 2**30,
+               nonfinite_check=nonfinite_check, nonfinite_checked_layers=checked)
     if profile_dir is not None:
         try:  # a profiler failure must not lose the measurements above
             res["profile"] = profile_step(step, profile_dir / f"{case}_{recipe}_kernels.csv")
@@ -665,6 +674,9 @@ def main() -> int:
     ap.add_argument("--cuda-graph", action="store_true",
                     help="EXPERIMENTAL: also time the step with its forwards/backwards replayed from one CUDA graph "
                          "(no host cost per launch; SR keys frozen: a benchmark, not a training mode)")
+    ap.add_argument("--nonfinite-check", choices=["every_step", "after_skip"], default="every_step",
+                    help="the per-layer non-finite check as train.py's logging.nonfinite_check (after_skip: off in "
+                         "these steps); default every_step")
     ap.add_argument("--sync-debug", action="store_true",
                     help="one more step per case/recipe under torch.cuda.set_sync_debug_mode('warn'): every "
                          "host-GPU synchronization with its Python stack")
@@ -681,7 +693,7 @@ def main() -> int:
             try:
                 with side:
                     rows.append(bench_case(case, recipe, a.warmup, a.iters, not a.no_optimizer, a.profile,
-                                           a.sync_debug, a.grad_accum, a.cuda_graph))
+                                           a.sync_debug, a.grad_accum, a.cuda_graph, a.nonfinite_check))
             except Exception as e:  # report and go on: one failing recipe must not hide the others
                 rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
             r = rows[-1]

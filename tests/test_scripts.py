@@ -27,16 +27,19 @@ def test_bench_train_quick(tmp_path):
     assert [r["recipe"] for r in rows] == ["bf16", "nvfp4"]
     assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 for r in rows)
     assert "| tiny | nvfp4 |" in p.stdout
+    assert all(r["nonfinite_check"] == "every_step" and r["nonfinite_checked_layers"] > 0 for r in rows)
 
 
 def test_bench_train_grad_accum_counts_every_micro_batch(tmp_path):
     """--grad-accum 2: a step is two micro-batches (the second with the weight cache filled) and an optimizer
     step; tokens/s counts both micro-batches."""
     out = tmp_path / "bench.json"
-    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json", str(out)])
+    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json", str(out),
+              "--nonfinite-check", "after_skip"])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     (r,) = json.loads(out.read_text())
     assert r["grad_accum"] == 2
+    assert r["nonfinite_check"] == "after_skip" and r["nonfinite_checked_layers"] == 0  # the check is off
     assert r["tokens_per_s"] == pytest.approx(2 * r["micro_batch"] * r["seq"] / r["step_s"], rel=1e-9)
 
 
