@@ -70,13 +70,21 @@ def plot_runs(paths: list[Path], out: Path, *, baseline: Path | None = None, met
             rel = (y[inside] - np.interp(x[inside], bx, by)) / np.interp(x[inside], bx, by)
             ax2.plot(x[inside], 100.0 * rel, label=_label(p), lw=1.2, color=line.get_color())
     ax1.set_ylabel(metric + (f" (mean of {smooth})" if smooth > 1 else ""))
+    return _finish(fig, ax1, ax2, f"relative difference to {_label(baseline)} (%)", out)
+
+
+def _finish(fig, ax1, ax2, ylabel2: str, out: Path) -> Path:
+    """Grid, legends and the tokens axis; ``ax2`` (None: one panel) gets the zero line and ``ylabel2``; then
+    save ``out`` (its folder made) and close the figure."""
+    import matplotlib.pyplot as plt
+
     ax1.legend()
     ax1.grid(alpha=0.3)
     if ax2 is None:
         ax1.set_xlabel("tokens")
     else:
         ax2.axhline(0.0, color="k", lw=0.8)
-        ax2.set_ylabel(f"relative difference to {_label(baseline)} (%)")
+        ax2.set_ylabel(ylabel2)
         ax2.set_xlabel("tokens")
         ax2.grid(alpha=0.3)
         ax2.legend()
@@ -137,18 +145,7 @@ def plot_seeds(seeds_dir: Path, out: Path, *, baseline: str = "bf16", metric: st
         if se is not None:
             ax2.fill_between(x, mean - se, mean + se, color=line.get_color(), alpha=0.2, lw=0)
     ax1.set_ylabel(metric + (f" (mean of {smooth})" if smooth > 1 else "") + ", mean over seeds")
-    ax1.legend()
-    ax1.grid(alpha=0.3)
-    ax2.axhline(0.0, color="k", lw=0.8)
-    ax2.set_ylabel(f"vs {baseline}, same seed (%): mean ± s.e.")
-    ax2.set_xlabel("tokens")
-    ax2.grid(alpha=0.3)
-    ax2.legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _finish(fig, ax1, ax2, f"vs {baseline}, same seed (%): mean ± s.e.", out)
 
 
 def main(argv: list[str] | None = None) -> int:
