@@ -93,6 +93,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nvfp4_train.metrics import NONFINITE_CHECK_MODES  # noqa: E402
+
 H200_BF16_PEAK = 989.4e12
 
 CASES = {
@@ -563,6 +565,8 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
     in a step that follows a successful one (``after_skip``: off)."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if nonfinite_check not in NONFINITE_CHECK_MODES:
+        raise ValueError(f"nonfinite_check={nonfinite_check!r} is not one of {', '.join(NONFINITE_CHECK_MODES)}")
     from models.config import count_parameters
     from models.flops import training_flops_per_token
     from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, quant_layers
@@ -578,8 +582,6 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model, mc, lm, ids, pos = build_case(case, recipe, device=dev)
-    if nonfinite_check not in ("every_step", "after_skip"):
-        raise ValueError(f"nonfinite_check={nonfinite_check!r} is not one of every_step, after_skip")
     from nvfp4_train.precision.telemetry import set_nonfinite_check
 
     set_nonfinite_check(model, nonfinite_check == "every_step")
@@ -674,7 +676,7 @@ def main() -> int:
     ap.add_argument("--cuda-graph", action="store_true",
                     help="EXPERIMENTAL: also time the step with its forwards/backwards replayed from one CUDA graph "
                          "(no host cost per launch; SR keys frozen: a benchmark, not a training mode)")
-    ap.add_argument("--nonfinite-check", choices=["every_step", "after_skip"], default="every_step",
+    ap.add_argument("--nonfinite-check", choices=NONFINITE_CHECK_MODES, default="every_step",
                     help="the per-layer non-finite check as train.py's logging.nonfinite_check (after_skip: off in "
                          "these steps); default every_step")
     ap.add_argument("--sync-debug", action="store_true",
