@@ -78,6 +78,12 @@ def final_val_loss(metrics: Path) -> tuple[int, float] | None:
 _SEEDED = re.compile(r"^(?P<name>.+)_s(?P<seed>-?\d+)$")
 
 
+def recipe_order(names) -> list[str]:
+    """``names`` in table and plot order: the recipes of ``RUNS`` in their order, then any others sorted."""
+    names = set(names)
+    return [n for n in RUNS if n in names] + sorted(names - set(RUNS))
+
+
 def group_runs(out: Path) -> dict[str, dict[str | None, Path]]:
     """The run directories under ``out`` that hold a ``metrics.jsonl``, by recipe and seed: ``<name>_s<seed>``
     is ``{name: {seed: dir}}``, any other ``<run>`` is ``{run: {None: dir}}``."""
@@ -118,7 +124,7 @@ def summarize(out: Path) -> str:
             rows[name] = vals
     bf16 = rows.get("bf16", {})
     base = statistics.fmean(bf16.values()) if bf16 else None
-    order = [n for n in RUNS if n in rows] + sorted(n for n in rows if n not in RUNS)
+    order = recipe_order(rows)
     lines = [f"final validation loss at step {step}", "",
              "| run | seeds | mean | sd | vs bf16 | paired vs bf16 (mean ± s.e., pairs) |",
              "|---|---|---|---|---|---|"]
@@ -196,13 +202,13 @@ def main() -> int:
         time.sleep(2)
     if procs:
         metrics = [str(a.out / n / "metrics.jsonl") for n, _, _ in names if (a.out / n / "metrics.jsonl").exists()]
-        plot = [sys.executable, str(ROOT / "scripts" / "plot_runs.py")]
-        if metrics and len(a.seeds) > 1 and "bf16" in a.runs:  # each recipe against bf16's run of its seed
-            subprocess.run([*plot, "--seeds-dir", str(a.out), "--metric", "val_loss",
-                            "--out", str(a.out / "seeds_val_loss.png")], cwd=ROOT)
-        elif metrics:
-            subprocess.run([*plot, *metrics, "--out", str(a.out / "loss.png")], cwd=ROOT)
         if metrics:
+            plot = [sys.executable, str(ROOT / "scripts" / "plot_runs.py")]
+            if len(a.seeds) > 1 and "bf16" in a.runs:  # each recipe against bf16's run of its seed
+                plot += ["--seeds-dir", str(a.out), "--metric", "val_loss", "--out", str(a.out / "seeds_val_loss.png")]
+            else:
+                plot += [*metrics, "--out", str(a.out / "loss.png")]
+            subprocess.run(plot, cwd=ROOT)
             print(summarize(a.out), flush=True)
     return 0 if all(c == 0 for c in codes.values()) else 1
 

@@ -125,13 +125,14 @@ def plot_seeds(seeds_dir: Path, out: Path, *, baseline: str = "bf16", metric: st
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from scripts.convergence import RUNS, group_runs
+    from scripts.convergence import group_runs, recipe_order
 
     groups = {n: {s: d for s, d in runs.items() if s is not None} for n, runs in group_runs(seeds_dir).items()}
     groups = {n: runs for n, runs in groups.items() if runs}
     if baseline not in groups:
-        raise SystemExit(f"{seeds_dir}: no seeded runs of the baseline {baseline!r} (<{baseline}_s<seed>/metrics.jsonl)")
-    order = [n for n in RUNS if n in groups] + sorted(n for n in groups if n not in RUNS)
+        raise SystemExit(f"{seeds_dir}: no seeded runs of the baseline {baseline!r} "
+                         f"(<{baseline}_s<seed>/metrics.jsonl)")
+    order = recipe_order(groups)
     series = {n: {s: _series(d, metric, smooth) for s, d in runs.items()} for n, runs in groups.items()}
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for n in order:
