@@ -35,6 +35,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from kernels.sr_key import ROLE_SLOTS, block_seed
 from models.config import ModelConfig
 from models.attention import SDPAttention
 from models.layers import RMSNorm, linear_spec
@@ -45,24 +46,22 @@ from nvfp4_train.precision.layer_map import LayerPrecisionMap
 __all__ = ["block_spec", "HybridStack", "HybridModel"]
 
 
-def _seed(seed: int, block: int, slot: int) -> int:
-    return (seed * 1_000_003 + block * 16 + slot) & 0x7FFFFFFF
-
-
 def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPrecisionMap, seed: int = 0) -> ModuleSpec:
     """The ``ModuleSpec`` of global block ``block`` of ``kind``, its linear layers' recipes resolved."""
 
-    def lin(kind_: str, role: str, slot: int) -> ModuleSpec:
-        return linear_spec(kind_, layer_map.recipe(block, role), f"blocks.{block}.{role}", _seed(seed, block, slot))
+    def lin(kind_: str, role: str) -> ModuleSpec:
+        # the stochastic-rounding seed of this layer: kernels/sr_key.py (one key function for the run)
+        return linear_spec(kind_, layer_map.recipe(block, role), f"blocks.{block}.{role}",
+                           block_seed(seed, block, ROLE_SLOTS[role]))
 
     if kind == ATTENTION:
         attention = ModuleSpec(
             module=SelfAttention,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(
-                linear_qkv=lin("column", "attention.qkv", 0),
+                linear_qkv=lin("column", "attention.qkv"),
                 core_attention=SDPAttention,
-                linear_proj=lin("row", "attention.proj", 1),
+                linear_proj=lin("row", "attention.proj"),
                 q_layernorm=IdentityOp,
                 k_layernorm=IdentityOp,
             ),
@@ -71,7 +70,7 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
             input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add))
     if kind == MLP_KIND:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
-            linear_fc1=lin("column", "mlp.fc1", 2), linear_fc2=lin("row", "mlp.fc2", 3)))
+            linear_fc1=lin("column", "mlp.fc1"), linear_fc2=lin("row", "mlp.fc2")))
         return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
     if kind == MAMBA:
@@ -83,8 +82,8 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
                 conv_kernel=model_cfg.mamba_conv_kernel, conv_bias=model_cfg.mamba_conv_bias,
                 chunk_size=model_cfg.mamba_chunk_size, norm_epsilon=model_cfg.norm_epsilon,
             ),
-            submodules=MambaMixerSubmodules(in_proj=lin("column", "mamba.in_proj", 4),
-                                            out_proj=lin("row", "mamba.out_proj", 5)),
+            submodules=MambaMixerSubmodules(in_proj=lin("column", "mamba.in_proj"),
+                                            out_proj=lin("row", "mamba.out_proj")),
         )
         return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(norm=RMSNorm, mixer=mixer))
     raise ValueError(f"unknown block kind {kind!r}")

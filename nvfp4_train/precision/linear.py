@@ -13,7 +13,8 @@ The weight's two copies (fprop's W, dgrad's Wᵀ) are computed once per optimize
 keys them on the parameter's version counter, which changes exactly when the optimizer writes the weight, so
 micro-batches of one step reuse them. With 2-D tiles the two copies are the same values.
 
-Seeds for stochastic rounding come from the caller (a per-layer counter), so a run is reproducible.
+Stochastic rounding draws its bits from the layer's stream (``LinearContext.seed``), the call counter and the
+operand, through the one key function of ``kernels/sr_key.py``: a run is reproducible.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.sr_key import OPERANDS, call_seed, operand_seed
 from nvfp4_train.precision.operand import Operand, cast_pair, operand_nbytes, qgemm
 from nvfp4_train.precision.recipe import QuantRecipe
 
@@ -52,10 +54,11 @@ class WeightCache:
 
     def get(self, weight: torch.Tensor, recipe: QuantRecipe, seed: int, amax_group,
             pad: tuple[int, int] = (0, 0)) -> tuple[Operand, Operand]:
+        """``seed``: the call's ``call_seed`` (used on a miss)."""
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), pad, recipe)
         if key != self.key:
             w = pad_weight(weight.detach(), pad)
-            self.row, self.col = cast_pair(w, recipe.fprop.b, recipe.dgrad.b, seed, amax_group)
+            self.row, self.col = cast_pair(w, recipe.fprop.b, recipe.dgrad.b, _seeds(seed, "W"), amax_group)
             self.key = key
         return self.row, self.col
 
@@ -65,11 +68,11 @@ class WeightCache:
 
 @dataclass
 class LinearContext:
-    """Per-layer state the Function needs besides tensors: the recipe, the SR seed counter, the TP group
-    whose amaxes are all-reduced, the weight cache and telemetry hooks."""
+    """Per-layer state the Function needs besides tensors: the recipe, the SR stream and call counter, the TP
+    group whose amaxes are all-reduced, the weight cache and telemetry hooks."""
 
     recipe: QuantRecipe
-    seed: int = 0
+    seed: int = 0  # the layer's stochastic-rounding stream (kernels.sr_key.layer_stream)
     amax_group: dist.ProcessGroup | None = None
     # zeros appended to the weight's (rows, columns) so both are multiples of the recipe's blocks; the input
     # arrives padded by the caller (see quantized_linear)
@@ -82,8 +85,15 @@ class LinearContext:
     telemetry: Any = None
 
     def next_seed(self) -> int:
+        """The ``call_seed`` of the next forward (its backward reuses it)."""
         self.calls += 1
-        return (self.seed * 1_000_003 + self.calls * 7_919) & 0xFFFFFFFF
+        return call_seed(self.seed, self.calls)
+
+
+def _seeds(seed: int, tensor: str) -> tuple[int, int]:
+    """The quantizers' seeds of the rowwise and columnwise copies of ``tensor`` (W, x, dy) in the call whose
+    ``call_seed`` is ``seed``."""
+    return operand_seed(seed, OPERANDS[(tensor, "row")]), operand_seed(seed, OPERANDS[(tensor, "col")])
 
 
 class QuantLinearFunction(torch.autograd.Function):
@@ -94,7 +104,7 @@ class QuantLinearFunction(torch.autograd.Function):
         seed = lctx.next_seed()
         w_row, w_col = lctx.weight_cache.get(weight, recipe, seed, lctx.amax_group, lctx.weight_pad)
         need_col_x = weight.requires_grad
-        x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, seed + 2,
+        x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, _seeds(seed, "x"),
                                  lctx.amax_group)
         tel = lctx.telemetry
         if tel is not None:
@@ -125,7 +135,7 @@ class QuantLinearFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         dy_row, dy_col = cast_pair(
             dy2, recipe.dgrad.a if need_dx else None, recipe.wgrad.a if need_dw else None,
-            ctx.seed + 4, ctx.lctx.amax_group,
+            _seeds(ctx.seed, "dy"), ctx.lctx.amax_group,
         )
         tel = ctx.lctx.telemetry
         if tel is not None:

@@ -39,8 +39,6 @@ buffer, which the cache's version-counter check (``WeightCache``) cannot see.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
@@ -49,6 +47,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
+from kernels.sr_key import layer_stream
 from nvfp4_train.precision.linear import LinearContext, quantized_linear
 from nvfp4_train.precision.recipe import BF16, GEMM_ROLES, QuantRecipe
 from nvfp4_train.precision.telemetry import LayerTelemetry, probe_input_grad
@@ -144,12 +143,6 @@ def recipe_padding(recipe: QuantRecipe, out_features: int, in_features: int) -> 
     return (-out_features % need["N"], -in_features % need["K"])
 
 
-def _layer_seed(seed: int, layer_name: str) -> int:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
-    return (seed * 0x9E3779B1 + zlib.crc32(layer_name.encode())) & 0xFFFFFFFF
-
-
 class _QuantLayer:
     """What both layers share: the recipe, its LinearContext, telemetry (mixed into the megatron class)."""
 
@@ -165,7 +158,7 @@ class _QuantLayer:
         self.layer_name = layer_name
         self._weight_shape = (out_f, in_f)
         group = self.tp_group if get_pg_size(self.tp_group) > 1 else None
-        self.lctx = LinearContext(recipe=recipe, seed=_layer_seed(seed, layer_name), amax_group=group,
+        self.lctx = LinearContext(recipe=recipe, seed=layer_stream(seed, layer_name), amax_group=group,
                                   weight_pad=recipe_padding(recipe, out_f, in_f))
         self.quant_telemetry = LayerTelemetry()
         self.weight_cache_enabled = False  # see set_weight_cache

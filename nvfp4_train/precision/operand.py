@@ -46,10 +46,6 @@ class Operand:
         return tuple(d.shape)
 
 
-def _seed(seed: int, k: int) -> int:
-    return (seed * 2 + k) & 0xFFFFFFFF
-
-
 def _is_nvfp4_1d(c: OperandCast) -> bool:
     return c.format == "nvfp4" and c.block == (1, 16)
 
@@ -93,13 +89,15 @@ def cast_pair(
     t: torch.Tensor,
     row: OperandCast | None,
     col: OperandCast | None,
-    seed: int,
+    seeds: tuple[int, int],
     amax_group: dist.ProcessGroup | None = None,
 ) -> tuple[Operand | None, Operand | None]:
     """The rowwise operand of ``t`` [R, C] (reduction along C) and the columnwise one (of ``tᵀ``).
 
-    ``None`` for a cast skips that copy.
+    ``None`` for a cast skips that copy. ``seeds``: the stochastic-rounding seeds of the two copies
+    (``kernels.sr_key.operand_seed``).
     """
+    row_seed, col_seed = seeds
     if row is not None and col is not None and row.format == col.format == "nvfp4":
         fused = None  # (block_2d, col_rht) of the fused row + column kernel, when the two casts allow it
         if _is_nvfp4_1d(row) and _is_nvfp4_1d(col) and not row.hadamard and t.shape[0] % 16 == 0:
@@ -116,12 +114,12 @@ def cast_pair(
                 row_amax, col_amax = am.unbind()
             r, c = quantize_nvfp4_rowcol(
                 t, block_2d=block_2d, col_rht=col_rht, row_stochastic=row.rounding == "stochastic",
-                col_stochastic=col.rounding == "stochastic", row_seed=_seed(seed, 0), col_seed=_seed(seed, 1),
+                col_stochastic=col.rounding == "stochastic", row_seed=row_seed, col_seed=col_seed,
                 row_amax=row_amax, col_amax=None if block_2d else col_amax,
             )
             return Operand("nvfp4", r), Operand("nvfp4", c)
-    r = cast_one(t, row, _seed(seed, 0), amax_group) if row is not None else None
-    c = cast_one(t.t(), col, _seed(seed, 1), amax_group) if col is not None else None
+    r = cast_one(t, row, row_seed, amax_group) if row is not None else None
+    c = cast_one(t.t(), col, col_seed, amax_group) if col is not None else None
     return r, c
 
 
