@@ -30,6 +30,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 FLT_MAX = torch.finfo(torch.float32).max
 _MASK32 = 0xFFFFFFFF
+# the sign vector s of the Random Hadamard Transform H = diag(s) * H16 / 4 (one for the run, RECIPE §3)
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 def e2m1_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:

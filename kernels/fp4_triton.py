@@ -13,6 +13,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.fp4_reference import RHT_SIGNS
+
+# bit i set <=> RHT sign i is -1
+RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0))
+
 
 @triton.jit
 def u32(x):
@@ -56,6 +61,12 @@ def mix32(x):
     x = x * 0x846CA68B
     x = x ^ (x >> 16)
     return x
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side grids: ``triton.cdiv`` is a ``constexpr_function`` whose Python wrapper costs
+    ~1.5 us a call on the host (the same integer)."""
+    return -(-a // b)
 
 
 def key_arg(key: int) -> int:
@@ -183,29 +194,26 @@ def hadamard16(t, R: tl.constexpr):
 
 
 @triton.jit
+def rht16_last(x, ROWS: tl.constexpr, COLS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """A [ROWS, COLS] fp32 tile -> each 16 consecutive elements of its last dim Hadamard-mixed (``x * s/4``,
+    exact, then ``hadamard16``), rounded to bf16 (and held as fp32) when ``ROUND_BF16``."""
+    R: tl.constexpr = ROWS * COLS // 16
+    g = tl.reshape(x, [R, 16])
+    j = tl.arange(0, 16)
+    neg = (tl.full([16], RHT_NEG_MASK, tl.int32) >> j) & 1
+    sgn = tl.where(neg == 1, -0.25, 0.25)
+    g = hadamard16(g * sgn[None, :], R)
+    if ROUND_BF16:
+        g = round_to_bf16(g)
+    return tl.reshape(g, [ROWS, COLS])
+
+
+@triton.jit
 def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
     """[R, C] int32 codes -> [R, C/2] uint8, element 2j in the low nibble."""
     p = tl.reshape(codes, [R, C // 2, 2])
     lo, hi = tl.split(p)
     return (lo | (hi << 4)).to(tl.uint8)
-
-
-@triton.jit
-def e2m1_code_rne(y):
-    """fp32 -> int32 E2M1 code (0..15), RNE, saturating: what ``e2m1_round_nearest`` computes for every
-    non-NaN input, with one rounding add instead of seven comparisons. (NaN gives an unspecified code:
-    callers zero the codes of a NaN tensor amax themselves.)
-
-    m = min(|y|, 6). The E2M1 step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 8), i.e. 2^(e-1) with
-    e = max(floor(log2 m), 0) (at most 2 since m <= 6); adding the magic number 2^(22+e) rounds m to that step (RNE, the
-    hardware's own ties) and leaves n = round(m / step) in the low bits of the sum. The code is n + 2e.
-    """
-    m = tl.minimum(tl.abs(y), 6.0)
-    e = tl.maximum(u32(m) & 0x7F800000, 0x3F800000)  # 2^e as bits: 1.0, 2.0 or 4.0 (m <= 6)
-    q = e + (22 << 23)  # bits of 2^(22 + e)
-    t = m + q.to(tl.float32, bitcast=True)
-    code = (u32(t) - q + ((q >> 22) - 298)).to(tl.int32)  # n + 2e ((q >> 22) = 298 + 2e)
-    return code | ((y < 0).to(tl.int32) << 3)
 
 
 @triton.jit
@@ -244,39 +252,17 @@ def random_bits8_top(c):
 
 
 @triton.jit
-def e2m1_code_sr(y, rbits):
-    """``e2m1_round_stochastic(y, rbits)`` for every non-NaN y, with integer compares on the fp32 bits.
-
-    m = min(|y|, 6). For m >= 1 the code before rounding up is (bits >> 22) - 252 and (m - lo) / gap * 256
-    is the 22 bits below the kept mantissa bit over 2^14, so ``up`` is r << 14 < those bits (exact integer
-    compare); in [0.5, 1) the code is 1 and the fraction is the 23-bit mantissa over 2^15; below 0.5 the
-    code is 0 and up iff r < 512 m (r as float, exact).
-    """
-    m = tl.minimum(tl.abs(y), 6.0)
-    b = u32(m)
-    r = rbits.to(tl.uint32)
-    hi = ((b >> 22).to(tl.int32) - 252) + ((r << 14) < (b & 0x3FFFFF)).to(tl.int32)
-    mid = 1 + ((r << 15) < (b & 0x7FFFFF)).to(tl.int32)
-    rf = (r | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    lo = (rf < m * 512.0).to(tl.int32)
-    code = tl.where(m >= 1.0, hi, tl.where(m >= 0.5, mid, lo))
-    return code | ((y < 0).to(tl.int32) << 3)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Leaner E2M1 codes for the "grouped_lean" quantizer design (same codes as above, fewer instructions)
-# ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
 def e2m1_code_rne_lowbyte(y):
-    """``e2m1_code_rne(y)`` for every non-NaN y, sign included, in the LOW NIBBLE of the result: bits 4..22
-    are zero and bits 23..30 are left over (callers keep the low byte when they pack).
+    """The E2M1 code (0..15) that ``e2m1_round_nearest`` (RNE, saturating) gives for every non-NaN y, sign
+    included, in the LOW NIBBLE of the result: bits 4..22 are zero and bits 23..30 are left over (callers keep
+    the low byte when they pack). NaN gives an unspecified code: callers zero the codes of a NaN tensor amax.
 
-    The magic number of ``e2m1_code_rne`` plus 2e + 8s units in the last place: q = 2^(22+e) + (2e + 8s) ulp
-    (s = 1 for y < 0). Adding an even number of ulps leaves the rounding of m = min(|y|, 6) to the E2M1
-    step, ties to even included, unchanged, so the mantissa of m + q is n + 2e + 8s = the signed code
-    (at most 15). It saves the code extraction and the sign merge: ~8 instructions instead of ~10."""
+    m = min(|y|, 6). The E2M1 step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 8), i.e. 2^(e-1) with
+    e = max(floor(log2 m), 0) (at most 2 since m <= 6); adding the magic number 2^(22+e) rounds m to that step
+    (RNE, the hardware's own ties) and leaves n = round(m / step) in the low bits of the sum; the code is
+    n + 2e. Here the magic number is q = 2^(22+e) + (2e + 8s) ulp (s = 1 for y < 0): adding an even number of
+    ulps leaves the rounding unchanged, ties to even included, so the mantissa of m + q is n + 2e + 8s = the
+    signed code (at most 15), with no code extraction or sign merge: ~8 instructions."""
     m = tl.minimum(tl.abs(y), 6.0)
     e = tl.maximum(u32(m) & 0x7F800000, 0x3F800000)  # 2^e as bits (e = 0, 1, 2); e >> 22 = 254 + 2e
     sc = tl.where(y < 0, (22 << 23) - 254 + 8, (22 << 23) - 254).to(tl.uint32)
@@ -286,9 +272,10 @@ def e2m1_code_rne_lowbyte(y):
 
 @triton.jit
 def e2m1_code_sr_lean(y, rbits, NATIVE: tl.constexpr):
-    """``e2m1_code_sr(y, rbits)`` for every non-NaN y (sign included) by one add rounded UP.
+    """The E2M1 code that ``e2m1_round_stochastic(y, rbits)`` gives for every non-NaN y (sign included), by
+    one add rounded UP.
 
-    m = min(|y|, 6), step = 2^(e-1) (e = max(floor(log2 m), 0) as in ``e2m1_code_rne``). m + 2^(14+e)
+    m = min(|y|, 6), step = 2^(e-1) (e = max(floor(log2 m), 0) as in ``e2m1_code_rne_lowbyte``). m + 2^(14+e)
     rounded up has ulp step/256, so its low bits are L = ceil(256 m / step) = 256 n + ceil(256 f) (n the
     lower neighbour's index in its binade, f the fraction of the gap). "Up" is r < 256 f, i.e.
     ceil(256 f) + 255 - r >= 256 (r an integer), so the code is (L + 255 - r + 256 (2e + 8s)) >> 8.

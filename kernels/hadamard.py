@@ -9,8 +9,8 @@ consecutive elements ``x[r, 16g : 16g + 16]``, in fp32:
         i & h == 0:  y_i <- a + b,  y_{i+h} <- a - b
     out_j = y_j rounded to x.dtype (bf16: nearest-even, Inf on overflow; fp32: y_j itself)
 
-The kernel is ``_rht_cols`` of the NVFP4 quantizer (``kernels/nvfp4/quantize.py``: the sign mask of
-RHT_SIGNS, ``fp4_triton.hadamard16`` and ``fp4_triton.round_to_bf16``) applied to [BLOCK_R, BLOCK_C] tiles
+The kernel is ``fp4_triton.rht16_last`` (the sign mask of RHT_SIGNS, ``fp4_triton.hadamard16`` and
+``fp4_triton.round_to_bf16``) applied to [BLOCK_R, BLOCK_C] tiles
 of x, launched with ``enable_fp_fusion=False`` (no multiply-add fusion: the products by +-0.25 are rounded on
 their own, as in the reference, also where they are subnormal).
 
@@ -32,8 +32,7 @@ import triton.language as tl
 
 from kernels._checks import check_2d_float
 from kernels._dispatch import use_triton
-from kernels.fp4_triton import as_kernel_input, load_tile, u32
-from kernels.nvfp4.quantize import _rht_cols
+from kernels.fp4_triton import as_kernel_input, load_tile, rht16_last, u32
 from kernels.nvfp4.reference import BLOCK, hadamard16_ref
 
 __all__ = ["hadamard16", "hadamard16_triton", "check_hadamard_input"]
@@ -64,7 +63,7 @@ def _hadamard16_kernel(
     pid_c = tl.program_id(1)
     x, rm, rk, mask = load_tile(x_ptr, pid_r * BLOCK_R, pid_c * BLOCK_C, M, K, stride_m, stride_k,
                                 BLOCK_R, BLOCK_C, IS_BF16)
-    y = _rht_cols(x, BLOCK_R, BLOCK_C, IS_BF16)  # x * (s/4), butterflies 1, 2, 4, 8, bf16 RNE if IS_BF16
+    y = rht16_last(x, BLOCK_R, BLOCK_C, IS_BF16)  # x * (s/4), butterflies 1, 2, 4, 8, bf16 RNE if IS_BF16
     offs = rm[:, None].to(tl.int64) * K + rk[None, :]
     if IS_BF16:
         # y holds bf16 values (low 16 bits zero; a NaN keeps its quiet bit in the top half): store the top half

@@ -25,8 +25,8 @@ worst case); ``--reuse-weight`` keeps the cached copies (many micro-batches per 
 
 ``--gemm-engine triton cublas`` measures the nvfp4 recipe once per engine of its GEMM (kernels/nvfp4/gemm.py:
 the Triton 16-bit GEMM with the alpha epilogue, or cuBLAS with fp32 output + a Triton alpha pass), in the same
-run, by setting ``NVFP4_GEMM_ENGINE`` around each measurement; the "GEMM engine" column says which engine each
-nvfp4 row used (default: only the engine in effect, ``$NVFP4_GEMM_ENGINE`` or "cublas"). With more than one
+run, by giving the recipe each engine (``precision.gemm_engine``); the "GEMM engine" column says which engine
+each nvfp4 row used (default: only the default engine, "cublas"). With more than one
 engine the nvfp4 totals are listed as "nvfp4 [engine]". On CPU (``--quick``) the layers run the PyTorch
 reference GEMM whatever the engine.
 
@@ -41,7 +41,6 @@ Usage (repo root)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -59,7 +58,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from kernels.nvfp4 import GEMM_ENGINES  # noqa: E402
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES  # noqa: E402
 
 RECIPES = ("bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4")
 M_TOKENS = 8192
@@ -104,7 +103,8 @@ def setup_single_rank(device: torch.device) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
-def build_layer(kind: str, k: int, n: int, recipe_name: str, device: torch.device, seed: int):
+def build_layer(kind: str, k: int, n: int, recipe_name: str, device: torch.device, seed: int,
+                gemm_engine: str = DEFAULT_GEMM_ENGINE):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from nvfp4_train.precision.megatron_linear import QuantColumnParallelLinear, QuantRowParallelLinear
@@ -113,7 +113,7 @@ def build_layer(kind: str, k: int, n: int, recipe_name: str, device: torch.devic
     cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=1, use_cpu_initialization=True,
                             perform_initialization=False, params_dtype=torch.bfloat16, bf16=True)
     common = dict(config=cfg, init_method=torch.nn.init.zeros_, bias=False, skip_bias_add=False,
-                  recipe=named_recipe(recipe_name), layer_name=f"bench.{kind}", seed=seed)
+                  recipe=named_recipe(recipe_name).replace(gemm_engine=gemm_engine), layer_name=f"bench.{kind}", seed=seed)
     if kind == "column":
         layer = QuantColumnParallelLinear(k, n, gather_output=False, **common)
     else:
@@ -228,25 +228,6 @@ def profile_one(layer, x, dy, iters: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-@contextlib.contextmanager
-def gemm_engine_env(engine: str | None):
-    """``NVFP4_GEMM_ENGINE=engine`` inside the block (None: unchanged), restored after."""
-    from kernels.nvfp4 import GEMM_ENGINE_ENV
-
-    if engine is None:
-        yield
-        return
-    old = os.environ.get(GEMM_ENGINE_ENV)
-    os.environ[GEMM_ENGINE_ENV] = engine
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(GEMM_ENGINE_ENV, None)
-        else:
-            os.environ[GEMM_ENGINE_ENV] = old
-
-
 # the recipes whose GEMM is kernels.nvfp4.nvfp4_gemm (the engine switch applies to them)
 ENGINE_RECIPES = ("nvfp4",)
 
@@ -271,20 +252,19 @@ def run(args) -> dict:
         rows, y_ref = [], None
         runs = [(r, e) for r in args.recipes for e in (args.gemm_engine if r in ENGINE_RECIPES else [None])]
         for recipe, engine in runs:
-            with gemm_engine_env(engine):
-                layer = build_layer(kind, k, n, recipe, device, seed=2)
-                nbytes, y = saved_bytes(layer, x)
-                y = y.detach().float()
-                if recipe == "bf16":
-                    y_ref = y
-                rel = (float((y - y_ref).norm() / y_ref.norm()) if y_ref is not None else float("nan"))
-                t = bench_one(layer, x, dy, timer, args.warmup, args.iters, args.reuse_weight)
-                rows.append({"recipe": recipe, "gemm_engine": engine,
-                             "label": row_label(recipe, engine, len(args.gemm_engine)),
-                             **t, "saved_bytes": nbytes, "y_rel_err": rel})
-                if args.profile and recipe in args.profile:
-                    rows[-1]["kernels"] = profile_one(layer, x, dy)
-                del layer
+            layer = build_layer(kind, k, n, recipe, device, seed=2, gemm_engine=engine or DEFAULT_GEMM_ENGINE)
+            nbytes, y = saved_bytes(layer, x)
+            y = y.detach().float()
+            if recipe == "bf16":
+                y_ref = y
+            rel = (float((y - y_ref).norm() / y_ref.norm()) if y_ref is not None else float("nan"))
+            t = bench_one(layer, x, dy, timer, args.warmup, args.iters, args.reuse_weight)
+            rows.append({"recipe": recipe, "gemm_engine": engine,
+                         "label": row_label(recipe, engine, len(args.gemm_engine)),
+                         **t, "saved_bytes": nbytes, "y_rel_err": rel})
+            if args.profile and recipe in args.profile:
+                rows[-1]["kernels"] = profile_one(layer, x, dy)
+            del layer
         base = next((r for r in rows if r["recipe"] == "bf16"), None)
         for r in rows:
             r["time_ratio"] = r["ms"] / base["ms"] if base else None
@@ -381,13 +361,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-weight", action="store_true",
                     help="keep the cached quantized weight between iterations (default: re-quantize each time)")
     ap.add_argument("--gemm-engine", nargs="+", default=None, choices=GEMM_ENGINES,
-                    help="measure the nvfp4 recipe once per NVFP4 GEMM engine, in this run (sets NVFP4_GEMM_ENGINE "
-                         "around each measurement; default: the engine in effect)")
+                    help="measure the nvfp4 recipe once per NVFP4 GEMM engine, in this run (default: "
+                         f"{DEFAULT_GEMM_ENGINE})")
     args = ap.parse_args(argv)
     if args.gemm_engine is None:
-        from kernels.nvfp4 import gemm_engine
-
-        args.gemm_engine = [gemm_engine()]  # $NVFP4_GEMM_ENGINE, or the default; a bad value fails here
+        args.gemm_engine = [DEFAULT_GEMM_ENGINE]
     args.gemm_engine = list(dict.fromkeys(args.gemm_engine))
     if args.warmup is None:
         args.warmup = 1 if args.quick else 5

@@ -2,14 +2,14 @@
 """Launch the small-scale reproduction of the paper's convergence claims (RECIPE §8) on ONE GPU: several
 ``train.py`` runs at once, same model, data order, seed and schedule, differing only in precision.
 
-Runs (``--runs``; default all):
+Runs (``--runs``; default all; each is the precision config of its name, ``configs/precision/``):
   bf16          the baseline
   fp8           the paper's FP8 baseline (E4M3, 1x128 / 128x128 blocks)
   nvfp4         the paper's NVFP4 recipe (2-D weights, RHT on wgrad, SR on gradients, bf16 blocks)
   nvfp4_no_rht  ... without the Random Hadamard Transform
   nvfp4_no_sr   ... with round-to-nearest gradients
   nvfp4_1d      ... with 1x16 weight blocks (two quantizations of W)
-  nvfp4_all     ... with every block in NVFP4 (no bf16 blocks)
+  nvfp4_all_blocks  ... with every block in NVFP4 (no bf16 blocks)
   mxfp4         MXFP4 (32-element blocks, power-of-two scales)
 
 Each run writes ``<out>/<name>/`` (resolved config, ``metrics.jsonl``, its command line in ``command.txt``),
@@ -50,10 +50,10 @@ RUNS: dict[str, list[str]] = {
     "bf16": ["precision=bf16"],
     "fp8": ["precision=fp8"],
     "nvfp4": ["precision=nvfp4"],
-    "nvfp4_no_rht": ["precision=nvfp4", "precision.ablations.rht=false"],
-    "nvfp4_no_sr": ["precision=nvfp4", "precision.ablations.stochastic_rounding=false"],
-    "nvfp4_1d": ["precision=nvfp4", "precision.ablations.weight_2d=false"],
-    "nvfp4_all": ["precision=nvfp4", "precision.ablations.all_blocks_quantized=true"],
+    "nvfp4_no_rht": ["precision=nvfp4_no_rht"],
+    "nvfp4_no_sr": ["precision=nvfp4_no_sr"],
+    "nvfp4_1d": ["precision=nvfp4_1d"],
+    "nvfp4_all_blocks": ["precision=nvfp4_all_blocks"],
     "mxfp4": ["precision=mxfp4"],
 }
 

@@ -10,7 +10,7 @@ the pure-PyTorch reference otherwise; both give the same bits):
     row, col = quantize_mxfp4_rowcol(x, ...)           # rowwise and x^T (blocks along M), one launch
     transpose_mxfp4(q)                                 # 2-D (32x32) only: the same values, transposed
     dequantize_mxfp4(q)                                # float32 [M, K]
-    mxfp4_gemm(a, b, out_dtype=torch.bfloat16)         # C[M, N] = A[M, K] . B[N, K]^T
+    mxfp4_gemm(a, b, out_dtype=torch.bfloat16, engine="cublas")   # C[M, N] = A[M, K] . B[N, K]^T
 
 See ``reference.py`` for the exact arithmetic, the zero-block and the non-finite policies.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels._dispatch import use_triton
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
 from kernels.fp4_reference import seed_key
 from kernels.mxfp4.reference import (
     BLOCK,
@@ -106,12 +107,21 @@ def dequantize_mxfp4(q: MXFP4Tensor) -> torch.Tensor:
     return dequantize_mxfp4_ref(q)
 
 
-def mxfp4_gemm(a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """C[M, N] = A[M, K] . B[N, K]^T with both operands MXFP4 blocked along K (alpha = 1)."""
+def mxfp4_gemm(a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype = torch.bfloat16,
+               engine: str = DEFAULT_GEMM_ENGINE) -> torch.Tensor:
+    """C[M, N] = A[M, K] . B[N, K]^T with both operands MXFP4 blocked along K (alpha = 1). ``engine`` as for
+    ``nvfp4_gemm``: "native" (or "auto" on a device that has it) runs ``kernels/mxfp4/native.py``; both Hopper
+    engines run the one Triton MXFP4 GEMM (``kernels/mxfp4/gemm.py``; MXFP4 is the comparison format)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"MXFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
+    if engine not in GEMM_ENGINES:
+        check_gemm_engine(engine)
     if not use_triton(a.codes):
         return mxfp4_gemm_ref(a, b, out_dtype=out_dtype)
+    if resolve_gemm_engine(engine, a.codes.device) == "native":
+        from kernels.mxfp4.native import mxfp4_gemm_native
+
+        return mxfp4_gemm_native(a, b, out_dtype=out_dtype)
     from kernels.mxfp4.gemm import mxfp4_gemm_triton
 
     return mxfp4_gemm_triton(a, b, out_dtype=out_dtype)

@@ -1,18 +1,18 @@
-"""MXFP4 x MXFP4 GEMM in Triton (Hopper: no FP4 tensor cores): the NVFP4 GEMM's kernel with E8M0 scales.
+"""MXFP4 x MXFP4 GEMM in Triton (Hopper: no FP4 tensor cores): the NVFP4 GEMM with E8M0 scales.
 
     C[M, N] = sum_k (qa[m, k] * 2^(sa[m, k // 32] - 127)) * (qb[n, k] * 2^(sb[n, k // 32] - 127))
 
 Layout (both operands blocked along K, as ``MXFP4Tensor``): codes uint8 [., K/2] (element 2j in the low
 nibble), scales uint8 E8M0 [., K/32]; 0xFF is NaN. No tensor scale, so no alpha.
 
-The kernel is ``kernels/nvfp4/gemm.py``'s ``_fp4_gemm_kernel`` (see its docstring for the tiling, the
-E2M1 bit decoding and the summation order) with ``SCALE_E8M0``: the scale byte s becomes the bf16 (or
-fp32) bit pattern ``s << 7`` (``s << 23``) = 2^(s-127), byte 0 the subnormal 2^-127, 0xFF NaN; one
-multiply per element gives e2m1 * 2^(s-127). That product is exact in bf16 and fp32 (a 2-bit significand
-times a power of two in [2^-127, 2^127]; bf16 and fp32 share the exponent range, and 0.5 * 2^-127 = 2^-128
-is still a subnormal of both) except where it overflows (|e2m1| >= 2 with s = 254 gives Inf, as the fp32
-reference does). fp16 cannot hold that range, so the dot dtype is bf16 on the GPU and fp32 under
-``TRITON_INTERPRET=1`` (whose bf16 dot multiplies raw bits): the same kernel, one compile-time switch.
+The GEMM is ``kernels/fp4_gemm.py``'s ``predequant_fp4_gemm`` (see its docstring for the E2M1 bit decoding)
+with E8M0 scales: one pass writes each operand's ``e2m1 * 2^(s-127)`` in the dot dtype (the scale byte s
+becomes the bf16 (or fp32) bit pattern ``s << 7`` (``s << 23``) = 2^(s-127), byte 0 the subnormal 2^-127,
+0xFF NaN), then the Triton 16-bit GEMM with fp32 accumulation. That product is exact in bf16 and fp32 (a
+2-bit significand times a power of two in [2^-127, 2^127]; bf16 and fp32 share the exponent range, and
+0.5 * 2^-127 = 2^-128 is still a subnormal of both) except where it overflows (|e2m1| >= 2 with s = 254 gives
+Inf, as the fp32 reference does). fp16 cannot hold that range, so the dot dtype is bf16 on the GPU and fp32
+under ``TRITON_INTERPRET=1`` (whose bf16 dot multiplies raw bits).
 
 Exactness for scales <= 2^-126 (bytes 0, 1 with small codes) relies on bf16 subnormals surviving the
 multiply and the tensor cores on the GPU; checked by ``tests/kernels/test_mxfp4_gemm.py`` on the GPU.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels._dispatch import interpret_mode
-from kernels.nvfp4.gemm import GemmConfig, blockscaled_fp4_gemm, predequant_fp4_gemm
+from kernels.fp4_gemm import GemmConfig, predequant_fp4_gemm
 
 MX_BLOCK = 32
 
@@ -34,17 +34,12 @@ def mxfp4_gemm_triton(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     dot_dtype: str | None = None,
-    split_nibbles: bool = False,
-    predequant: bool | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """C[M, N] = A[M, K] . B[N, K]^T for MXFP4 operands (objects with ``codes`` uint8 [., K/2] and
     ``scales`` uint8 [., K/32], e.g. ``MXFP4Tensor``). ``out_dtype``: torch.bfloat16 or torch.float32.
     ``dot_dtype``: None picks 'bf16' on the GPU and 'fp32' under the interpreter; 'fp16' is refused (not
-    exact for E8M0 scales). ``predequant`` (None: on the GPU, not under the interpreter): the NVFP4 GEMM's
-    faster design (``nvfp4_gemm_predequant``): one pass writes each operand's exact ``e2m1 * 2^(s-127)`` in
-    the dot dtype, then the pipelined 16-bit GEMM (no alpha); otherwise the dequantize-in-registers kernel.
-    Products are exact either way and both accumulate in fp32."""
+    exact for E8M0 scales). Products are exact and accumulate in fp32."""
     if dot_dtype is None:
         dot_dtype = "fp32" if interpret_mode() else "bf16"
     if dot_dtype == "fp16":
@@ -52,14 +47,6 @@ def mxfp4_gemm_triton(
                          "use dot_dtype='bf16' (GPU) or 'fp32'")
     if a.scales.dtype != torch.uint8 or b.scales.dtype != torch.uint8:
         raise TypeError(f"MXFP4 scales must be uint8 E8M0, got {a.scales.dtype} and {b.scales.dtype}")
-    if predequant is None:
-        predequant = not interpret_mode()
-    if predequant and not split_nibbles:
-        return predequant_fp4_gemm(a.codes, a.scales, b.codes, b.scales, block=MX_BLOCK, scale_format="e8m0",
-                                   alpha=None, out_dtype=out_dtype, dot_dtype=dot_dtype, config=config,
-                                   fmt_name="MXFP4")
-    return blockscaled_fp4_gemm(
-        a.codes, a.scales, b.codes, b.scales, block=MX_BLOCK, scale_format="e8m0", alpha=None,
-        out_dtype=out_dtype, dot_dtype=dot_dtype, split_nibbles=split_nibbles, config=config,
-        fmt_name="MXFP4",
-    )
+    return predequant_fp4_gemm(a.codes, a.scales, b.codes, b.scales, block=MX_BLOCK, scale_format="e8m0",
+                               alpha=None, out_dtype=out_dtype, dot_dtype=dot_dtype, config=config,
+                               fmt_name="MXFP4")

@@ -7,19 +7,22 @@ the pure-PyTorch reference otherwise; both give the same bits):
     q.codes, q.scales, q.amax
     dequantize_nvfp4(q)                                    # float32 [M, K]
     row, col = quantize_nvfp4_rowcol(x, ...)               # both copies a linear layer needs, one pass
-    nvfp4_gemm(a, b, out_dtype=torch.bfloat16)             # C[M, N] = A[M, K] . B[N, K]^T
-    gemm_engine()                 # the GEMM engine nvfp4_gemm uses now: $NVFP4_GEMM_ENGINE, "cublas" if unset
+    nvfp4_gemm(a, b, out_dtype=torch.bfloat16, engine="cublas")   # C[M, N] = A[M, K] . B[N, K]^T
+
+``engine`` (the run's ``precision.gemm_engine``, ``kernels/gemm_engine.py``): "cublas" or "triton" (the two
+Hopper engines of ``kernels/nvfp4/gemm.py``), "native" (the FP4 tensor-core GEMM of sm_100+,
+``kernels/nvfp4/native.py``) or "auto" (native where the device supports it, else "cublas"). On the reference
+path (CPU without ``TRITON_INTERPRET=1``) every engine gives the reference's result.
 
 See ``reference.py`` for the exact arithmetic and the non-finite policy.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels._dispatch import use_triton
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
 from kernels.fp4_reference import seed_key
 from kernels.nvfp4.reference import (
     BLOCK,
@@ -43,10 +46,6 @@ __all__ = [
     "quantize_nvfp4_rowcol",
     "dequantize_nvfp4",
     "nvfp4_gemm",
-    "gemm_engine",
-    "GEMM_ENGINE_ENV",
-    "GEMM_ENGINES",
-    "DEFAULT_GEMM_ENGINE",
     "hadamard16_ref",
     "quantize_nvfp4_ref",
     "quantize_nvfp4_rowcol_ref",
@@ -167,38 +166,20 @@ def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
     return dequantize_nvfp4_ref(q)
 
 
-# The engine of the pre-dequantized GEMM that nvfp4_gemm runs (kernels/nvfp4/gemm.py: GEMM_ENGINES), read
-# from the environment at every call: "triton" (the Triton 16-bit GEMM with the alpha epilogue) or "cublas"
-# (cuBLAS with fp32 output, then a Triton alpha pass). Both are exact up to the fp32 summation order. The default
-# is "cublas": measured in one run on the H200 (docs/benchmarks.md, session 5) at 0.91-0.98x cuBLAS BF16 on the
-# six 12B GEMM shapes with both dequantize passes included, against 0.81-0.84x for "triton"; the NVFP4 layer
-# (fwd + bwd) at 1.31x BF16 against 1.45x.
-GEMM_ENGINE_ENV = "NVFP4_GEMM_ENGINE"
-DEFAULT_GEMM_ENGINE = "cublas"
-GEMM_ENGINES = ("triton", "cublas")  # also the engines kernels.nvfp4.gemm accepts (engine=)
-
-
-def gemm_engine() -> str:
-    """``$NVFP4_GEMM_ENGINE`` (unset or empty: ``DEFAULT_GEMM_ENGINE``); any other value than the engines
-    is a ValueError naming the variable and the choices."""
-    v = os.environ.get(GEMM_ENGINE_ENV) or DEFAULT_GEMM_ENGINE
-    if v not in GEMM_ENGINES:
-        raise ValueError(f"{GEMM_ENGINE_ENV}={v!r}: the NVFP4 GEMM engine must be one of {GEMM_ENGINES} "
-                         f"(unset: {DEFAULT_GEMM_ENGINE!r})")
-    return v
-
-
-def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """C[M, N] = alpha * A[M, K] . B[N, K]^T with both operands NVFP4 blocked along K. On the Triton path the
-    GEMM engine is ``gemm_engine()`` (``$NVFP4_GEMM_ENGINE``, validated on every call, on the reference path
-    too)."""
+def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16,
+               engine: str = DEFAULT_GEMM_ENGINE) -> torch.Tensor:
+    """C[M, N] = alpha * A[M, K] . B[N, K]^T with both operands NVFP4 blocked along K, by ``engine`` (one of
+    ``GEMM_ENGINES``, checked on every call, on the reference path too, where it does not change the result)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
-    engine = gemm_engine()
+    if engine not in GEMM_ENGINES:
+        check_gemm_engine(engine)
     if not use_triton(a.codes):
         return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
-    # Exact designs measured on the H200 (docs/benchmarks.md): dequantizing in the GEMM's registers
-    # (nvfp4_gemm_triton) ~0.33x cuBLAS BF16; dequantizing each operand once to 16 bits, then the Triton 16-bit
-    # GEMM with the alpha epilogue (engine "triton") 0.81-0.84x, or cuBLAS with fp32 output and a Triton alpha
-    # pass (engine "cublas", the default) 0.91-0.98x.
+    if engine == "auto":
+        engine = resolve_gemm_engine(engine, a.codes.device)
+    if engine == "native":
+        from kernels.nvfp4.native import nvfp4_gemm_native
+
+        return nvfp4_gemm_native(a, b, out_dtype=out_dtype)
     return _triton().gemm.nvfp4_gemm_predequant(a, b, out_dtype=out_dtype, engine=engine)

@@ -13,25 +13,31 @@ Two launches, because the per-tensor amax must be known before any block can be 
      the amax kernel, so its first reads hit what the amax pass left in L2.
 A caller that already knows the amax (e.g. from the op that produced x) passes it and skips launch 1.
 
-Three designs give the same bits. "grouped" (``_quantize_grouped_kernel``) loads each tile as 16 row
-tensors so that everything the columnwise copy does along M stays in registers (see the comment above it);
-the default, "grouped_lean", is the same kernel with ``LEAN``: fewer instructions per element, which is what
-bounds the pass (see ``DESIGNS`` below); "tiled" (``_quantize_kernel``, the first design) transposes a
-[BM, BK] tile and reshapes it for the butterfly and the packing, which costs layout conversions through
-shared memory: it is 2-3x slower on the H200. The older two are kept for comparison
-(``scripts/bench_quantize_sweep.py``, docs/benchmarks.md).
+The quantize kernel (``_quantize_grouped_kernel``) loads each tile as 16 row tensors so that everything
+the columnwise copy does along M stays in registers (see the comment above it), and spends as few
+instructions per element as it can, which is what bounds the pass (SASS instructions per element, static
+count of the unrolled body, 64x128 tile, sm_90: 46 for round-to-nearest, 70 with stochastic rounding,
+which does not spill):
+  - E2M1 RNE codes with the sign folded into the rounding add, left in the low nibble (8 instructions a
+    code instead of ~10; ``e2m1_code_rne_lowbyte``) and packed by byte permutes on the GPU (``_bytes4``);
+  - stochastic rounding by one add rounded up (``e2m1_code_sr_lean``: ~11 instead of ~20 a code);
+  - encode scales looked up by scale byte in a 128-entry table per copy that each program writes once
+    (``_enc_table``) instead of a decode, a multiply and a division in every thread that holds a part of
+    a block (for bf16 input; the columnwise copy of fp32 input divides, see the column scale);
+  - the bf16 rounding after the Hadamard transform two values per instruction (``round_to_bf16_x2``).
+On the GPU the steps Triton cannot express in one instruction are inline PTX (add.rp, cvt.rn.bf16x2, prmt).
+Earlier designs (a transposing tile kernel 2-3x slower on the H200, the same kernel without these steps:
+docs/benchmarks.md) are in git history.
 
 Every output depends only on its 16-element block (and the amax), so the tile shape is a pure performance
 choice. Arithmetic per block follows RECIPE §2 in fp32 with correctly-rounded divisions (``div_rn``);
-rounding is done with bit arithmetic (``kernels/fp4_triton.py``), except that on the GPU the grouped kernel
-lets the hardware do the two conversions whose rounding it has exactly (fp32 -> bf16 RNE after the
+rounding is done with bit arithmetic (``kernels/fp4_triton.py``), except that on the GPU the kernels let
+the hardware do the two conversions whose rounding it has exactly (fp32 -> bf16 RNE after the
 Hadamard transform, fp32 -> E4M3 RNE of the block scales); the interpreter runs the bit arithmetic, and
 the tests compare both against the reference.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -39,44 +45,19 @@ import triton.language as tl
 
 from kernels.fp4_triton import (
     as_kernel_input,
-    e2m1_code_rne,
+    cdiv,
     e2m1_code_rne_lowbyte,
-    e2m1_code_sr,
     e2m1_code_sr_lean,
-    e2m1_round_nearest,
-    e2m1_round_stochastic,
-    e4m3_rne_pos,
     e4m3_rne_pos_native,
-    hadamard16,
     key_arg,
     load_as_f32,
-    load_tile,
     pack_pairs,
-    random_bits8,
     random_bits8_top,
     round_to_bf16,
-    round_to_bf16_fast,
     round_to_bf16_x2,
 )
-from kernels.nvfp4.reference import RHT_SIGNS
 
-# bit i set <=> RHT sign i is -1
-_RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0))
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-
-
-@triton.jit
-def _rht_cols(xt, BK: tl.constexpr, BM: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """x^T tile [BK, BM] -> Hadamard-mixed along M in groups of 16, rounded like the input dtype."""
-    R: tl.constexpr = BK * BM // 16
-    g = tl.reshape(xt, [R, 16])
-    j = tl.arange(0, 16)
-    neg = (tl.full([16], _RHT_NEG_MASK, tl.int32) >> j) & 1
-    sgn = tl.where(neg == 1, -0.25, 0.25)
-    g = hadamard16(g * sgn[None, :], R)
-    if ROUND_BF16:
-        g = round_to_bf16(g)
-    return tl.reshape(g, [BK, BM])
 
 
 @triton.jit
@@ -86,31 +67,6 @@ def _tile_coords(pid, M, K, BM: tl.constexpr, BK: tl.constexpr, REVERSE: tl.cons
     if REVERSE:
         pid = n_tiles - 1 - pid
     return (pid // n_k) * BM, (pid % n_k) * BK
-
-
-@triton.jit
-def _amax_kernel(
-    x_ptr, amax_ptr, M, K, stride_m, stride_k,
-    DO_COL_RHT: tl.constexpr, ROUND_BF16: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-):
-    """Persistent: each program reduces tiles pid, pid + nprog, ... in registers and issues ONE atomic max
-    per amax (one atomic per tile serialises thousands of atomics on one address)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    n_tiles = tl.cdiv(M, BM) * tl.cdiv(K, BK)
-    acc = tl.zeros([BM, BK], dtype=tl.float32)
-    acc_t = tl.zeros([BK, BM], dtype=tl.float32)
-    for tile in range(pid, n_tiles, nprog):
-        m0, k0 = _tile_coords(tile, M, K, BM, BK, False)
-        x, rm, rk, mask = load_tile(x_ptr, m0, k0, M, K, stride_m, stride_k, BM, BK, ROUND_BF16)
-        a = tl.abs(x)
-        acc = tl.maximum(acc, tl.where(a == a, a, float("inf")))
-        if DO_COL_RHT:
-            xt = tl.abs(_rht_cols(tl.trans(x), BK, BM, ROUND_BF16))
-            acc_t = tl.maximum(acc_t, tl.where(xt == xt, xt, float("inf")))
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
-    if DO_COL_RHT:
-        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(acc_t, axis=1), axis=0))
 
 
 @triton.jit
@@ -125,96 +81,8 @@ def _tensor_scales(amax):
     return s_enc, s_dec, c, amax
 
 
-@triton.jit
-def _quantize_blocks(v, blk_amax, s_dec, c, rbits, STOCHASTIC: tl.constexpr):
-    """v [R, NB, 16] fp32, blk_amax [R, NB] -> (codes [R, NB, 16] int32, scale bytes [R, NB] int32)."""
-    s = blk_amax * c
-    s = tl.where(s > 448.0, 448.0, s)
-    sbyte, sval = e4m3_rne_pos(s)
-    enc = tl.math.div_rn(tl.full(sval.shape, 1.0, tl.float32), sval * s_dec)
-    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
-    y = v * enc[:, :, None]
-    if STOCHASTIC:
-        codes = e2m1_round_stochastic(y, rbits)
-    else:
-        codes = e2m1_round_nearest(y)
-    return codes, sbyte
-
-
-@triton.jit(do_not_specialize=["row_key", "col_key"])
-def _quantize_kernel(
-    x_ptr, amax_ptr,
-    row_codes_ptr, row_scales_ptr, col_codes_ptr, col_scales_ptr, amax_out_ptr,
-    M, K, stride_m, stride_k, row_key, col_key,
-    WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_2D: tl.constexpr,
-    COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, ROUND_BF16: tl.constexpr,
-    REVERSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    m0, k0 = _tile_coords(pid, M, K, BM, BK, REVERSE)
-    x, rm, rk, mask = load_tile(x_ptr, m0, k0, M, K, stride_m, stride_k, BM, BK, ROUND_BF16)
-
-    row_s_enc, row_s_dec, row_c, row_amax = _tensor_scales(tl.load(amax_ptr))
-    if pid == 0:
-        tl.store(amax_out_ptr, row_amax)
-
-    if WRITE_ROW or BLOCK_2D:
-        v = tl.reshape(x, [BM, BK // 16, 16])
-        if BLOCK_2D:
-            t4 = tl.reshape(tl.abs(x), [BM // 16, 16, BK // 16, 16])
-            tmax = tl.max(tl.max(t4, axis=3), axis=1)  # [BM/16, BK/16]
-            blk = tl.reshape(tl.broadcast_to(tmax[:, None, :], [BM // 16, 16, BK // 16]), [BM, BK // 16])
-        else:
-            blk = tl.max(tl.abs(v), axis=2)
-        if ROW_SR:
-            idx = rm[:, None].to(tl.int64) * K + rk[None, :]
-            rbits = tl.reshape(random_bits8(idx, row_key), [BM, BK // 16, 16])
-        else:
-            rbits = 0
-        codes, sbyte = _quantize_blocks(v, blk, row_s_dec, row_c, rbits, ROW_SR)
-        codes = tl.reshape(codes, [BM, BK])
-        if WRITE_ROW:
-            rkh = k0 // 2 + tl.arange(0, BK // 2)
-            cmask = (rm[:, None] < M) & (rkh[None, :] < K // 2)
-            tl.store(row_codes_ptr + rm[:, None] * (K // 2) + rkh[None, :], pack_pairs(codes, BM, BK), mask=cmask)
-            rks = k0 // 16 + tl.arange(0, BK // 16)
-            smask = (rm[:, None] < M) & (rks[None, :] < K // 16)
-            tl.store(row_scales_ptr + rm[:, None] * (K // 16) + rks[None, :], sbyte.to(tl.uint8), mask=smask)
-
-    if WRITE_COL:
-        if BLOCK_2D:
-            # the same values transposed: tile scales serve both orientations
-            ccodes = tl.trans(codes)  # [BK, BM]
-            t2 = tl.reshape(sbyte, [BM // 16, 16, BK // 16])
-            tsc = tl.max(t2, axis=1)  # identical over the 16 rows of a tile: [BM/16, BK/16]
-            csbyte = tl.reshape(tl.broadcast_to(tl.trans(tsc)[:, None, :], [BK // 16, 16, BM // 16]), [BK, BM // 16])
-        else:
-            col_s_enc, col_s_dec, col_c, col_amax = _tensor_scales(tl.load(amax_ptr + 1))
-            if pid == 0:
-                tl.store(amax_out_ptr + 1, col_amax)
-            xt = tl.trans(x)  # [BK, BM]
-            if COL_RHT:
-                xt = _rht_cols(xt, BK, BM, ROUND_BF16)
-            vt = tl.reshape(xt, [BK, BM // 16, 16])
-            blkt = tl.max(tl.abs(vt), axis=2)
-            if COL_SR:
-                idx = rk[:, None].to(tl.int64) * M + rm[None, :]
-                rbits_t = tl.reshape(random_bits8(idx, col_key), [BK, BM // 16, 16])
-            else:
-                rbits_t = 0
-            ccodes, csbyte = _quantize_blocks(vt, blkt, col_s_dec, col_c, rbits_t, COL_SR)
-            ccodes = tl.reshape(ccodes, [BK, BM])
-        rmh = m0 // 2 + tl.arange(0, BM // 2)
-        cmask = (rk[:, None] < K) & (rmh[None, :] < M // 2)
-        tl.store(col_codes_ptr + rk[:, None] * (M // 2) + rmh[None, :], pack_pairs(ccodes, BK, BM), mask=cmask)
-        rms = m0 // 16 + tl.arange(0, BM // 16)
-        smask = (rk[:, None] < K) & (rms[None, :] < M // 16)
-        tl.store(col_scales_ptr + rk[:, None] * (M // 16) + rms[None, :], csbyte.to(tl.uint8), mask=smask)
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Grouped design (the default, "grouped_lean", is this kernel with LEAN): every thread owns the same
-# positions of 16 consecutive rows
+# The quantize kernel: every thread owns the same positions of 16 consecutive rows
 # ----------------------------------------------------------------------------------------------------------
 #
 # A program owns the [BM, BK] tile at (m0, k0) and loads it as 16 tensors x0..x15 of shape [G, KB, 16]
@@ -346,7 +214,7 @@ def _ld_row(x_ptr, offs, stride_m, i: tl.constexpr, row0, M, kmask, IS_BF16: tl.
 @triton.jit
 def _enc_table(tab_ptr, s_dec):
     """enc_b of every E4M3 scale byte 0..127 (RECIPE §2: min(1 / (fp32(sdec_b) * S_dec), FLT_MAX); byte
-    0x7F is NaN) into tab_ptr[0:128]. The lean design looks the encode scale of a block up here by its
+    0x7F is NaN) into tab_ptr[0:128]. The kernel looks the encode scale of a block up here by its
     scale byte instead of dividing in every thread that holds a part of the block."""
     j = tl.arange(0, 128)
     normal = (((j >> 3) + 120) << 23) | ((j & 7) << 20)  # 2^((j >> 3) - 7) * (1 + (j & 7) / 8) as bits
@@ -357,13 +225,13 @@ def _enc_table(tab_ptr, s_dec):
 
 
 @triton.jit
-def _block_scale(blk_amax, s_dec, c, NATIVE: tl.constexpr, LEAN: tl.constexpr = False, tab_ptr=None):
-    """(enc_b, scale byte) of blocks with amax ``blk_amax`` (RECIPE §2). ``LEAN``: enc_b from the table
+def _block_scale(blk_amax, s_dec, c, NATIVE: tl.constexpr, TABLE: tl.constexpr = False, tab_ptr=None):
+    """(enc_b, scale byte) of blocks with amax ``blk_amax`` (RECIPE §2). ``TABLE``: enc_b from the table
     ``_enc_table`` wrote at ``tab_ptr`` (one load instead of a decode, a multiply and a division)."""
     s = blk_amax * c
     s = tl.where(s > 448.0, 448.0, s)
     sbyte, sval = e4m3_rne_pos_native(s, NATIVE)
-    if LEAN:
+    if TABLE:
         return tl.load(tab_ptr + sbyte), sbyte
     enc = tl.math.div_rn(tl.full(sval.shape, 1.0, tl.float32), sval * s_dec)
     enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
@@ -371,45 +239,31 @@ def _block_scale(blk_amax, s_dec, c, NATIVE: tl.constexpr, LEAN: tl.constexpr = 
 
 
 @triton.jit
-def _codes(y, idx, key, SR: tl.constexpr, LEAN: tl.constexpr = False, ASM: tl.constexpr = False):
-    """E2M1 codes of y (already scaled), RNE or stochastic with the counter hash of ``idx`` (uint32).
-    ``LEAN``: RNE codes come in the low nibble with junk above bit 22 (``e2m1_code_rne_lowbyte``); the
-    stochastic ones are clean (``e2m1_code_sr_lean``)."""
+def _codes(y, idx, key, SR: tl.constexpr, ASM: tl.constexpr = False):
+    """E2M1 codes of y (already scaled), RNE or stochastic with the counter hash of ``idx`` (uint32). RNE
+    codes come in the low nibble with junk above bit 22 (``e2m1_code_rne_lowbyte``); the stochastic ones are
+    clean (``e2m1_code_sr_lean``)."""
     if SR:
-        if LEAN:
-            return e2m1_code_sr_lean(y, random_bits8_top(idx + key), ASM)
-        else:
-            return e2m1_code_sr(y, random_bits8_top(idx + key))
+        return e2m1_code_sr_lean(y, random_bits8_top(idx + key), ASM)
     else:
-        if LEAN:
-            return e2m1_code_rne_lowbyte(y).to(tl.int32, bitcast=True)
-        else:
-            return e2m1_code_rne(y)
+        return e2m1_code_rne_lowbyte(y).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _row_quant(v, enc, sbyte, i: tl.constexpr, row0, M, K, k0, rbase, key, zero_codes,
                row_codes_ptr, row_scales_ptr, WRITE_ROW: tl.constexpr, SR: tl.constexpr,
-               G: tl.constexpr, KB: tl.constexpr, LEAN: tl.constexpr = False, ASM: tl.constexpr = False):
+               G: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr = False):
     """Rowwise copy of rows row0 + i (blocks of 16 along k): returns the codes [G, KB, 16] and stores
     the packed codes when WRITE_ROW (the scales of all 16 rows go out together: ``_store_row_scales16``).
-    ``LEAN``: the codes may carry junk above bit 22 (only their low nibble counts) and the non-finite
-    policy zeroes the packed bytes (one select per 2 codes) instead of the codes."""
-    codes = _codes(v * enc[:, :, None], rbase + i * K.to(tl.uint32), key, SR, LEAN, ASM)
-    if LEAN:
-        if WRITE_ROW:
-            m = row0 + i  # [G, 1, 1]
-            lo, hi = tl.split(tl.reshape(codes, [G, KB, 8, 2]))
-            kh = k0 // 2 + 8 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 8)[None, None, :]
-            pk = tl.where(zero_codes, 0, lo + (hi << 4)).to(tl.uint8)  # the low byte is exact
-            tl.store(row_codes_ptr + m * (K // 2) + kh, pk, mask=(m < M) & (kh < K // 2))
-        return codes
-    codes = tl.where(zero_codes, 0, codes)
+    The codes may carry junk above bit 22 (only their low nibble counts) and the non-finite policy zeroes
+    the packed bytes (one select per 2 codes) instead of the codes."""
+    codes = _codes(v * enc[:, :, None], rbase + i * K.to(tl.uint32), key, SR, ASM)
     if WRITE_ROW:
         m = row0 + i  # [G, 1, 1]
         lo, hi = tl.split(tl.reshape(codes, [G, KB, 8, 2]))
         kh = k0 // 2 + 8 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 8)[None, None, :]
-        tl.store(row_codes_ptr + m * (K // 2) + kh, (lo | (hi << 4)).to(tl.uint8), mask=(m < M) & (kh < K // 2))
+        pk = tl.where(zero_codes, 0, lo + (hi << 4)).to(tl.uint8)  # the low byte is exact
+        tl.store(row_codes_ptr + m * (K // 2) + kh, pk, mask=(m < M) & (kh < K // 2))
     return codes
 
 
@@ -437,12 +291,11 @@ def _quantize_grouped_kernel(
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_2D: tl.constexpr,
     COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, IS_BF16: tl.constexpr,
     NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    LEAN: tl.constexpr = False, ASM: tl.constexpr = False, COL_TAB: tl.constexpr = False,
+    ASM: tl.constexpr = False,
 ):
-    """``LEAN``: the "grouped_lean" arithmetic (see ``DESIGNS``); ``ASM`` (GPU only): with it, the lean steps
-    that Triton cannot express in one instruction use inline PTX (add.rp, cvt.rn.bf16x2, prmt). ``COL_TAB``
-    (with ``LEAN``; the launcher sets it for bf16 input only): the columnwise encode scales come from the
-    table too."""
+    """``ASM`` (GPU only): the steps that Triton cannot express in one instruction use inline PTX (add.rp,
+    cvt.rn.bf16x2, prmt). The rowwise encode scales come from the table ``_enc_table`` writes, the columnwise
+    ones too for bf16 input (see the column scale)."""
     G: tl.constexpr = BM // 16
     KB: tl.constexpr = BK // 16
     pid = tl.program_id(0)
@@ -475,14 +328,13 @@ def _quantize_grouped_kernel(
     x15 = _ld_row(x_ptr, offs, stride_m, 15, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
     row_tab = enc_tab_ptr
     col_tab = enc_tab_ptr + 128
-    if LEAN:
-        # every program writes the same tables (a benign race); the barrier makes this program's own
-        # writes visible to all its threads before the lookups (after the loads of x, so that their
-        # latency overlaps this). The columnwise table only with COL_TAB (bf16 input): see the column scale.
-        _enc_table(row_tab, row_s_dec)
-        if WRITE_COL and not BLOCK_2D and COL_TAB:
-            _enc_table(col_tab, _tensor_scales(tl.load(amax_ptr + 1))[1])
-        tl.debug_barrier()
+    # every program writes the same tables (a benign race); the barrier makes this program's own
+    # writes visible to all its threads before the lookups (after the loads of x, so that their
+    # latency overlaps this). The columnwise table only for bf16 input: see the column scale.
+    _enc_table(row_tab, row_s_dec)
+    if WRITE_COL and not BLOCK_2D and IS_BF16:
+        _enc_table(col_tab, _tensor_scales(tl.load(amax_ptr + 1))[1])
+    tl.debug_barrier()
 
     # element counters of the stochastic rounding (mod 2^32, as the reference): row i adds i*K
     rbase = row0.to(tl.uint32) * K.to(tl.uint32) + k.to(tl.uint32)
@@ -492,7 +344,7 @@ def _quantize_grouped_kernel(
         if BLOCK_2D:
             # one scale per 16x16 tile: the max over the 16 rows of the row-block maxima
             t = tl.max(_max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15), axis=2)
-            e0, s0 = _block_scale(t, row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
+            e0, s0 = _block_scale(t, row_s_dec, row_c, NATIVE_CVT, True, row_tab)
             e1, s1 = e0, s0
             e2, s2 = e0, s0
             e3, s3 = e0, s0
@@ -509,54 +361,54 @@ def _quantize_grouped_kernel(
             e14, s14 = e0, s0
             e15, s15 = e0, s0
         else:
-            e0, s0 = _block_scale(tl.max(tl.abs(x0), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e1, s1 = _block_scale(tl.max(tl.abs(x1), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e2, s2 = _block_scale(tl.max(tl.abs(x2), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e3, s3 = _block_scale(tl.max(tl.abs(x3), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e4, s4 = _block_scale(tl.max(tl.abs(x4), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e5, s5 = _block_scale(tl.max(tl.abs(x5), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e6, s6 = _block_scale(tl.max(tl.abs(x6), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e7, s7 = _block_scale(tl.max(tl.abs(x7), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e8, s8 = _block_scale(tl.max(tl.abs(x8), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e9, s9 = _block_scale(tl.max(tl.abs(x9), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e10, s10 = _block_scale(tl.max(tl.abs(x10), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e11, s11 = _block_scale(tl.max(tl.abs(x11), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e12, s12 = _block_scale(tl.max(tl.abs(x12), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e13, s13 = _block_scale(tl.max(tl.abs(x13), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e14, s14 = _block_scale(tl.max(tl.abs(x14), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
-            e15, s15 = _block_scale(tl.max(tl.abs(x15), axis=2), row_s_dec, row_c, NATIVE_CVT, LEAN, row_tab)
+            e0, s0 = _block_scale(tl.max(tl.abs(x0), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e1, s1 = _block_scale(tl.max(tl.abs(x1), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e2, s2 = _block_scale(tl.max(tl.abs(x2), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e3, s3 = _block_scale(tl.max(tl.abs(x3), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e4, s4 = _block_scale(tl.max(tl.abs(x4), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e5, s5 = _block_scale(tl.max(tl.abs(x5), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e6, s6 = _block_scale(tl.max(tl.abs(x6), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e7, s7 = _block_scale(tl.max(tl.abs(x7), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e8, s8 = _block_scale(tl.max(tl.abs(x8), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e9, s9 = _block_scale(tl.max(tl.abs(x9), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e10, s10 = _block_scale(tl.max(tl.abs(x10), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e11, s11 = _block_scale(tl.max(tl.abs(x11), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e12, s12 = _block_scale(tl.max(tl.abs(x12), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e13, s13 = _block_scale(tl.max(tl.abs(x13), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e14, s14 = _block_scale(tl.max(tl.abs(x14), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e15, s15 = _block_scale(tl.max(tl.abs(x15), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
         c0 = _row_quant(x0, e0, s0, 0, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c1 = _row_quant(x1, e1, s1, 1, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c2 = _row_quant(x2, e2, s2, 2, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c3 = _row_quant(x3, e3, s3, 3, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c4 = _row_quant(x4, e4, s4, 4, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c5 = _row_quant(x5, e5, s5, 5, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c6 = _row_quant(x6, e6, s6, 6, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c7 = _row_quant(x7, e7, s7, 7, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c8 = _row_quant(x8, e8, s8, 8, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c9 = _row_quant(x9, e9, s9, 9, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c10 = _row_quant(x10, e10, s10, 10, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c11 = _row_quant(x11, e11, s11, 11, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c12 = _row_quant(x12, e12, s12, 12, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c13 = _row_quant(x13, e13, s13, 13, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c14 = _row_quant(x14, e14, s14, 14, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c15 = _row_quant(x15, e15, s15, 15, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         if WRITE_ROW:
             _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
                                 row_scales_ptr, m0, k0, M, K, G, KB)
@@ -573,7 +425,7 @@ def _quantize_grouped_kernel(
             if COL_RHT:
                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-                if IS_BF16 and LEAN:
+                if IS_BF16:
                     x0 = round_to_bf16_x2(x0, ASM, NATIVE_CVT)
                     x1 = round_to_bf16_x2(x1, ASM, NATIVE_CVT)
                     x2 = round_to_bf16_x2(x2, ASM, NATIVE_CVT)
@@ -590,56 +442,38 @@ def _quantize_grouped_kernel(
                     x13 = round_to_bf16_x2(x13, ASM, NATIVE_CVT)
                     x14 = round_to_bf16_x2(x14, ASM, NATIVE_CVT)
                     x15 = round_to_bf16_x2(x15, ASM, NATIVE_CVT)
-                elif IS_BF16:
-                    x0 = round_to_bf16_fast(x0, NATIVE_CVT)
-                    x1 = round_to_bf16_fast(x1, NATIVE_CVT)
-                    x2 = round_to_bf16_fast(x2, NATIVE_CVT)
-                    x3 = round_to_bf16_fast(x3, NATIVE_CVT)
-                    x4 = round_to_bf16_fast(x4, NATIVE_CVT)
-                    x5 = round_to_bf16_fast(x5, NATIVE_CVT)
-                    x6 = round_to_bf16_fast(x6, NATIVE_CVT)
-                    x7 = round_to_bf16_fast(x7, NATIVE_CVT)
-                    x8 = round_to_bf16_fast(x8, NATIVE_CVT)
-                    x9 = round_to_bf16_fast(x9, NATIVE_CVT)
-                    x10 = round_to_bf16_fast(x10, NATIVE_CVT)
-                    x11 = round_to_bf16_fast(x11, NATIVE_CVT)
-                    x12 = round_to_bf16_fast(x12, NATIVE_CVT)
-                    x13 = round_to_bf16_fast(x13, NATIVE_CVT)
-                    x14 = round_to_bf16_fast(x14, NATIVE_CVT)
-                    x15 = round_to_bf16_fast(x15, NATIVE_CVT)
             cmax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-            if COL_TAB:
-                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT, LEAN, col_tab)
+            if IS_BF16:
+                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT, True, col_tab)
             else:
-                # fp32 input: the encode scale by division, as in "grouped", not by the table. The lookup is
+                # fp32 input: the encode scale by division, not by the table. The lookup is
                 # a gather load; Triton 3.6 anchors the rest of the columnwise copy to its layout (4 warps
                 # along k) and, for fp32 input only, moves the 16 mixed fp32 tensors there by stmatrix and
                 # the lookup pointers through shared memory. That was the one fp32-only construct of the lean
                 # kernel when its columnwise codes came out wrong on the H200 for fp32 input (rows k % 4 in
                 # {0, 1} = warps 0 and 1 of that layout); bf16 moves its 16-bit values instead and passed.
-                # Without the gather the copy stays in the load layout, as in the GPU-verified "grouped"
-                # design (``_col_table_fp32`` keeps the old path reachable, to diagnose it on a GPU).
+                # Without the gather the copy stays in the load layout (GPU-verified).
                 enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT)
             # counters of x^T [K, M]: k * M + m, row i adds i
             cbase = k.to(tl.uint32) * M.to(tl.uint32) + row0.to(tl.uint32)
             ckey = col_key.to(tl.uint32)
-            c0 = _codes(x0 * enc, cbase, ckey, COL_SR, LEAN, ASM)
-            c1 = _codes(x1 * enc, cbase + 1, ckey, COL_SR, LEAN, ASM)
-            c2 = _codes(x2 * enc, cbase + 2, ckey, COL_SR, LEAN, ASM)
-            c3 = _codes(x3 * enc, cbase + 3, ckey, COL_SR, LEAN, ASM)
-            c4 = _codes(x4 * enc, cbase + 4, ckey, COL_SR, LEAN, ASM)
-            c5 = _codes(x5 * enc, cbase + 5, ckey, COL_SR, LEAN, ASM)
-            c6 = _codes(x6 * enc, cbase + 6, ckey, COL_SR, LEAN, ASM)
-            c7 = _codes(x7 * enc, cbase + 7, ckey, COL_SR, LEAN, ASM)
-            c8 = _codes(x8 * enc, cbase + 8, ckey, COL_SR, LEAN, ASM)
-            c9 = _codes(x9 * enc, cbase + 9, ckey, COL_SR, LEAN, ASM)
-            c10 = _codes(x10 * enc, cbase + 10, ckey, COL_SR, LEAN, ASM)
-            c11 = _codes(x11 * enc, cbase + 11, ckey, COL_SR, LEAN, ASM)
-            c12 = _codes(x12 * enc, cbase + 12, ckey, COL_SR, LEAN, ASM)
-            c13 = _codes(x13 * enc, cbase + 13, ckey, COL_SR, LEAN, ASM)
-            c14 = _codes(x14 * enc, cbase + 14, ckey, COL_SR, LEAN, ASM)
-            c15 = _codes(x15 * enc, cbase + 15, ckey, COL_SR, LEAN, ASM)
-        if LEAN and not (COL_SR and not BLOCK_2D) and not (ROW_SR and BLOCK_2D):
+            c0 = _codes(x0 * enc, cbase, ckey, COL_SR, ASM)
+            c1 = _codes(x1 * enc, cbase + 1, ckey, COL_SR, ASM)
+            c2 = _codes(x2 * enc, cbase + 2, ckey, COL_SR, ASM)
+            c3 = _codes(x3 * enc, cbase + 3, ckey, COL_SR, ASM)
+            c4 = _codes(x4 * enc, cbase + 4, ckey, COL_SR, ASM)
+            c5 = _codes(x5 * enc, cbase + 5, ckey, COL_SR, ASM)
+            c6 = _codes(x6 * enc, cbase + 6, ckey, COL_SR, ASM)
+            c7 = _codes(x7 * enc, cbase + 7, ckey, COL_SR, ASM)
+            c8 = _codes(x8 * enc, cbase + 8, ckey, COL_SR, ASM)
+            c9 = _codes(x9 * enc, cbase + 9, ckey, COL_SR, ASM)
+            c10 = _codes(x10 * enc, cbase + 10, ckey, COL_SR, ASM)
+            c11 = _codes(x11 * enc, cbase + 11, ckey, COL_SR, ASM)
+            c12 = _codes(x12 * enc, cbase + 12, ckey, COL_SR, ASM)
+            c13 = _codes(x13 * enc, cbase + 13, ckey, COL_SR, ASM)
+            c14 = _codes(x14 * enc, cbase + 14, ckey, COL_SR, ASM)
+            c15 = _codes(x15 * enc, cbase + 15, ckey, COL_SR, ASM)
+        if not (COL_SR and not BLOCK_2D) and not (ROW_SR and BLOCK_2D):
             lo = _pack8_lowbyte(c0, c1, c2, c3, c4, c5, c6, c7, ASM)  # RNE codes: junk above bit 22
             hi = _pack8_lowbyte(c8, c9, c10, c11, c12, c13, c14, c15, ASM)
         else:
@@ -648,7 +482,7 @@ def _quantize_grouped_kernel(
         w = lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)
         if not BLOCK_2D:
             w = tl.where(col_nan, 0, w)
-        elif LEAN:
+        else:
             w = tl.where(row_nan, 0, w)  # the lean rowwise path leaves the codes themselves unzeroed
         # x^T row k, 16 codes (8 bytes) of group g: word k * (M/16) + m0/16 + g
         gi = m0 // 16 + tl.arange(0, G)[:, None, None]
@@ -720,12 +554,6 @@ def _amax_grouped_kernel(
         tl.atomic_max(amax_ptr + 1, amax_t)
 
 
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for host-side grids: ``triton.cdiv`` is a ``constexpr_function`` whose Python wrapper costs
-    ~1.5 us a call on the host (the same integer)."""
-    return -(-a // b)
-
-
 def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
     return (cdiv(M, BM) * cdiv(K, BK),)
 
@@ -743,86 +571,54 @@ def _persistent_grid(x: torch.Tensor, M: int, K: int, BM: int, BK: int, per_sm: 
     return (min(n_tiles, 4),)
 
 
-# Launch settings of the grouped design (BM rows x BK columns per program, num_warps; the amax pass runs
-# per_sm persistent programs per multiprocessor); the tiled design keeps its own. Measured best on the H200 in
-# scripts/bench_quantize_sweep.py (docs/benchmarks.md): 64x256 per 4 warps needs 255 registers (8 warps per
-# SM; with stochastic rounding it spills), 64x128 needs 168 and runs 12 warps per SM.
-GROUPED_CONFIG = dict(block_m=64, block_k=128, num_warps=4)
+# Launch settings (BM rows x BK columns per program, num_warps; the amax pass runs per_sm persistent programs
+# per multiprocessor). Measured best on the H200 in scripts/bench_quantize_sweep.py (docs/benchmarks.md):
+# 64x256 per 4 warps needs 255 registers (8 warps per SM; with stochastic rounding it spills), 64x128 needs
+# 168 and runs 12 warps per SM.
+QUANTIZE_CONFIG = dict(block_m=64, block_k=128, num_warps=4)
 AMAX_CONFIG = dict(block_m=32, block_k=256, num_warps=4, per_sm=3)
 
 
 def _native_cvt(x: torch.Tensor) -> bool:
-    """On CUDA the grouped kernels let the hardware convert bf16 -> fp32 (exact), fp32 -> bf16 (RNE) and
-    fp32 -> E4M3 (RNE); the interpreter's conversions differ, so there they use the bit arithmetic."""
+    """On CUDA the kernels let the hardware convert bf16 -> fp32 (exact), fp32 -> bf16 (RNE) and
+    fp32 -> E4M3 (RNE), and run the inline PTX steps; the interpreter's conversions differ, so there they use
+    the bit arithmetic."""
     return x.is_cuda
 
 
-# The designs (all give the same bits): "grouped_lean" is "grouped" with LEAN, which cuts the
-# SASS instructions per element (static count of the unrolled body, 64x128 tile, sm_90) from 54 to 46 (RNE)
-# and from 98 to 70 (stochastic rounding, which no longer spills):
-#   - E2M1 RNE codes with the sign folded into the rounding add, left in the low nibble (8 instructions a
-#     code instead of ~10; ``e2m1_code_rne_lowbyte``) and packed by byte permutes on the GPU (``_bytes4``);
-#   - stochastic rounding by one add rounded up (``e2m1_code_sr_lean``: ~11 instead of ~20 a code);
-#   - encode scales looked up by scale byte in a 128-entry table per copy that each program writes once
-#     (``_enc_table``) instead of a decode, a multiply and a division in every thread that holds a part of
-#     a block (the rowwise scale was computed 16 times per thread);
-#   - the bf16 rounding after the Hadamard transform two values per instruction (``round_to_bf16_x2``).
-# "grouped_lean_noasm" is the same without the inline PTX (add.rp, cvt.rn.bf16x2, prmt: Triton's own ops
-# instead, a few more instructions), a fallback should a PTX step misbehave on some GPU or Triton version.
-# "grouped" and "tiled" are the earlier designs, kept so that one run can measure them side by side.
-DESIGNS = ("grouped_lean", "grouped_lean_noasm", "grouped", "tiled")
-# The default is "grouped_lean": on the H200 (session 6, docs/benchmarks.md) every kernel test and the GPU model
-# tests passed with it as the default (fp32 input included, after the columnwise-scale fix), and it quantizes
-# with stochastic rounding 1.36-1.42x faster than "grouped" at K = 20480 (round-to-nearest: the same speed).
-# NVFP4_QUANTIZE_DESIGN=<design> overrides it for a process (read once, at import): how the GPU suite and
-# the benchmarks exercise the other designs through the public API.
-DEFAULT_DESIGN = os.environ.get("NVFP4_QUANTIZE_DESIGN", "grouped_lean")
-if DEFAULT_DESIGN not in DESIGNS:
-    raise ValueError(f"NVFP4_QUANTIZE_DESIGN={DEFAULT_DESIGN!r} is not one of {DESIGNS}")
+def _launch_amax(x, out, M, K, is_bf16, col_rht, block_m, block_k, num_warps, per_sm):
+    _amax_grouped_kernel[_persistent_grid(x, M, K, block_m, block_k, per_sm)](
+        x, out, M, K, x.stride(0), x.stride(1), DO_COL_RHT=col_rht, IS_BF16=is_bf16,
+        NATIVE_CVT=_native_cvt(x), EVEN=M % block_m == 0 and K % block_k == 0,
+        BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
+    )
 
 
-def _launch_amax(x, out, M, K, is_bf16, col_rht, design, block_m, block_k, num_warps, per_sm=4):
-    if design != "tiled":  # the grouped designs share the amax pass
-        _amax_grouped_kernel[_persistent_grid(x, M, K, block_m, block_k, per_sm)](
-            x, out, M, K, x.stride(0), x.stride(1), DO_COL_RHT=col_rht, IS_BF16=is_bf16,
-            NATIVE_CVT=_native_cvt(x), EVEN=M % block_m == 0 and K % block_k == 0,
-            BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
-        )
-    else:
-        _amax_kernel[_persistent_grid(x, M, K, block_m, block_k)](
-            x, out, M, K, x.stride(0), x.stride(1), DO_COL_RHT=col_rht, ROUND_BF16=is_bf16,
-            BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
-        )
-
-
-def amax_triton(x: torch.Tensor, col_rht: bool, design: str = DEFAULT_DESIGN, **cfg) -> torch.Tensor:
-    """float32 [2]: raw amax of x (non-finite as +Inf) and of RHT(x^T) (or x^T)."""
+def amax_triton(x: torch.Tensor, col_rht: bool, **cfg) -> torch.Tensor:
+    """float32 [2]: raw amax of x (non-finite as +Inf) and of RHT(x^T) (or x^T). ``cfg`` overrides
+    ``AMAX_CONFIG``."""
     M, K = x.shape
-    c = dict(AMAX_CONFIG if design != "tiled" else dict(block_m=64, block_k=64, num_warps=4), **cfg)
+    c = dict(AMAX_CONFIG, **cfg)
     out = torch.zeros(2, dtype=torch.float32, device=x.device)
-    _launch_amax(as_kernel_input(x), out, M, K, x.dtype == torch.bfloat16, col_rht, design, c["block_m"],
-                 c["block_k"], c["num_warps"], c.get("per_sm", 4))
+    _launch_amax(as_kernel_input(x), out, M, K, x.dtype == torch.bfloat16, col_rht, c["block_m"],
+                 c["block_k"], c["num_warps"], c["per_sm"])
     if not col_rht:
         out[1] = out[0]
     return out
 
 
-_TILED_CONFIG = dict(block_m=64, block_k=64, num_warps=4)
-_LAUNCH_CONFIGS: dict = {}  # design -> the launch settings of quantize_nvfp4_rowcol_triton without overrides
+_DEFAULT_LAUNCH = (QUANTIZE_CONFIG["block_m"], QUANTIZE_CONFIG["block_k"], QUANTIZE_CONFIG["num_warps"], None,
+                   AMAX_CONFIG)
 
 
-def _launch_config(design, block_m, block_k, num_warps, maxnreg, amax_cfg):
+def _launch_config(block_m, block_k, num_warps, maxnreg, amax_cfg):
     """(block_m, block_k, num_warps, maxnreg, amax pass config) of the quantize pass: the overrides given,
-    the design's defaults for the others; without overrides, computed once per design (the hot path)."""
-    defaults = block_m is None and block_k is None and num_warps is None and maxnreg is None and amax_cfg is None
-    if defaults and design in _LAUNCH_CONFIGS:
-        return _LAUNCH_CONFIGS[design]
-    base = GROUPED_CONFIG if design != "tiled" else _TILED_CONFIG
-    c = (block_m or base["block_m"], block_k or base["block_k"], num_warps or base["num_warps"],
-         maxnreg or base.get("maxnreg"), dict(AMAX_CONFIG if design != "tiled" else base, **(amax_cfg or {})))
-    if defaults:  # GROUPED_CONFIG and AMAX_CONFIG are constants
-        _LAUNCH_CONFIGS[design] = c
-    return c
+    the defaults for the others (the hot path, without overrides, builds nothing)."""
+    if block_m is None and block_k is None and num_warps is None and maxnreg is None and amax_cfg is None:
+        return _DEFAULT_LAUNCH
+    base = QUANTIZE_CONFIG
+    return (block_m or base["block_m"], block_k or base["block_k"], num_warps or base["num_warps"], maxnreg,
+            dict(AMAX_CONFIG, **(amax_cfg or {})))
 
 
 def _amax_pair(row_amax: torch.Tensor, col_amax: torch.Tensor) -> torch.Tensor | None:
@@ -850,34 +646,26 @@ def quantize_nvfp4_rowcol_triton(
     col_key: int = 0,
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
-    design: str = DEFAULT_DESIGN,
     block_m: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     maxnreg: int | None = None,
     amax_cfg: dict | None = None,
-    _col_table_fp32: bool = False,
 ):
     """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
 
-    ``design``: "grouped_lean" (default), "grouped" (see ``_quantize_grouped_kernel``; "grouped_lean" is
-    the same kernel with ``LEAN``) or "tiled" (the first design); all three give the same bits, the older
-    two are kept for comparison in the benchmarks. ``block_m``, ``block_k``, ``num_warps`` and
-    ``maxnreg`` (a register cap per thread) override the quantize pass's launch (default ``GROUPED_CONFIG``),
-    ``amax_cfg`` the amax pass's (``AMAX_CONFIG``; its ``per_sm`` is the number of persistent programs per SM).
-    ``_col_table_fp32`` (diagnostics only, see tests/kernels/test_nvfp4_quant_lean_gpu.py): the lean designs look
-    the columnwise encode scales of fp32 input up in the table as well (the path that gave wrong codes on the H200).
+    ``block_m``, ``block_k``, ``num_warps`` and ``maxnreg`` (a register cap per thread) override the quantize
+    pass's launch (default ``QUANTIZE_CONFIG``), ``amax_cfg`` the amax pass's (``AMAX_CONFIG``; its ``per_sm``
+    is the number of persistent programs per SM): performance only, the bits do not depend on them.
 
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
     ``amax`` holds the (policy-adjusted) row and column amax.
     """
-    if design not in DESIGNS:
-        raise ValueError(f"unknown design {design!r}; choose one of {DESIGNS}")
     M, K = x.shape
     dev = x.device
     is_bf16 = x.dtype == torch.bfloat16
     x = as_kernel_input(x)
-    block_m, block_k, num_warps, maxnreg, ac = _launch_config(design, block_m, block_k, num_warps, maxnreg, amax_cfg)
+    block_m, block_k, num_warps, maxnreg, ac = _launch_config(block_m, block_k, num_warps, maxnreg, amax_cfg)
     need_col_amax = write_col and not block_2d
     have_row = row_amax is not None
     have_col = col_amax is not None or not need_col_amax
@@ -904,8 +692,7 @@ def quantize_nvfp4_rowcol_triton(
         mixed = need_col_amax and col_rht
         scratch = have_row or (mixed and col_amax is not None)
         target = torch.zeros(2, dtype=torch.float32, device=dev) if scratch else amax_in
-        _launch_amax(x, target, M, K, is_bf16, mixed, design, ac["block_m"], ac["block_k"],
-                     ac["num_warps"], ac.get("per_sm", 4))
+        _launch_amax(x, target, M, K, is_bf16, mixed, ac["block_m"], ac["block_k"], ac["num_warps"], ac["per_sm"])
         if target is not amax_in:
             if not have_row:
                 amax_in[0] = target[0]
@@ -919,34 +706,22 @@ def quantize_nvfp4_rowcol_triton(
     col_scales = torch.empty((K, M // 16), dtype=torch.uint8, device=dev) if write_col else None
     amax_out = torch.empty(2, dtype=torch.float32, device=dev)
     dummy = amax_out
-    lean = design.startswith("grouped_lean")
-    enc_tab = torch.empty(256, dtype=torch.float32, device=dev) if lean else dummy
+    enc_tab = torch.empty(256, dtype=torch.float32, device=dev)
     flags = dict(WRITE_ROW=write_row, WRITE_COL=write_col, BLOCK_2D=block_2d, COL_RHT=col_rht,
                  ROW_SR=row_stochastic, COL_SR=col_stochastic, BM=block_m, BK=block_k,
                  num_warps=num_warps, enable_fp_fusion=False)
     if maxnreg is not None:  # a register cap per thread (more programs per multiprocessor)
         flags["maxnreg"] = maxnreg
-    if design != "tiled":
-        # the columnwise codes are written as one 64-bit word per 16 elements
-        native = _native_cvt(x)
-        _quantize_grouped_kernel[_grid(M, K, block_m, block_k)](
-            x, amax_in,
-            row_codes if write_row else dummy, row_scales if write_row else dummy,
-            col_codes.view(torch.int64) if write_col else dummy, col_scales if write_col else dummy, amax_out,
-            enc_tab,
-            M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
-            IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0,
-            LEAN=lean, ASM=design == "grouped_lean" and native,
-            COL_TAB=lean and (is_bf16 or _col_table_fp32), **flags,
-        )
-    else:
-        _quantize_kernel[_grid(M, K, block_m, block_k)](
-            x, amax_in,
-            row_codes if write_row else dummy, row_scales if write_row else dummy,
-            col_codes if write_col else dummy, col_scales if write_col else dummy, amax_out,
-            M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
-            ROUND_BF16=is_bf16, REVERSE=True, **flags,
-        )
+    # the columnwise codes are written as one 64-bit word per 16 elements
+    native = _native_cvt(x)
+    _quantize_grouped_kernel[_grid(M, K, block_m, block_k)](
+        x, amax_in,
+        row_codes if write_row else dummy, row_scales if write_row else dummy,
+        col_codes.view(torch.int64) if write_col else dummy, col_scales if write_col else dummy, amax_out,
+        enc_tab,
+        M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
+        IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0, ASM=native, **flags,
+    )
     if write_col and block_2d:
         amax_out[1] = amax_out[0]
     return row_codes, row_scales, col_codes, col_scales, amax_out

@@ -39,6 +39,7 @@ import torch
 from kernels._checks import check_2d_float
 from kernels.fp4_reference import (
     FLT_MAX,
+    RHT_SIGNS,
     e2m1_decode,
     e2m1_round_nearest,
     e2m1_round_stochastic,
@@ -53,7 +54,6 @@ E4M3_MAX = 448.0
 FP4_MAX = 6.0
 # 6 * 448: the largest magnitude representable by E2M1 x E4M3
 FP4_E4M3_RANGE = FP4_MAX * E4M3_MAX
-RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES
 from nvfp4_train.precision.layer_map import LayerPrecisionMap, PrecisionRule, PrecisionSwitch
 from nvfp4_train.precision.recipe import Ablations
 
@@ -28,6 +29,17 @@ class PrecisionConfig:
     """The paper's ablations, switches on an fp4 recipe (all off = the paper's recipe)."""
     switch: PrecisionSwitch = field(default_factory=PrecisionSwitch)
     """Switch to bf16 (forward only, or everything) for the rest of the run (off unless a step is given)."""
+    gemm_engine: str = DEFAULT_GEMM_ENGINE
+    """Which implementation runs the fp4 (nvfp4, mxfp4) GEMMs (``kernels/gemm_engine.py``): ``cublas`` (Hopper,
+    the default: bf16 operands, cuBLAS with fp32 output, a Triton alpha pass), ``triton`` (Hopper: one Triton
+    16-bit GEMM), ``native`` (the FP4 tensor cores of sm_100+) or ``auto`` (native where the GPU has it, else
+    cublas). Exact up to the fp32 summation order; on CPU (the reference path) the results do not depend on it.
+    MXFP4 runs its one Triton GEMM under both Hopper engines."""
+
+    def __post_init__(self) -> None:
+        if self.gemm_engine not in GEMM_ENGINES:
+            raise ValueError(f"precision.gemm_engine={self.gemm_engine!r} is not one of {GEMM_ENGINES} "
+                             f"(default {DEFAULT_GEMM_ENGINE!r})")
 
     def layer_map(self, pattern: str) -> LayerPrecisionMap:
         """The resolved layer precision map for the hybrid ``pattern`` (raises on rules that match nothing)."""
@@ -39,4 +51,5 @@ class PrecisionConfig:
             keep_last=self.keep_last,
             rules=self.rules,
             switch=self.switch,
+            gemm_engine=self.gemm_engine,
         )

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from kernels.gemm_engine import check_gemm_engine
 from nvfp4_train.precision.recipe import (
     BF16,
     Ablations,
@@ -247,9 +248,11 @@ class LayerPrecisionMap:
         keep_last: int | None = None,
         rules: Sequence[PrecisionRule] = (),
         switch: PrecisionSwitch | None = None,
+        gemm_engine: str | None = None,
     ) -> None:
         """``pattern``: the hybrid pattern (``|`` allowed, ignored: indices are global); ``recipe``: a named
-        recipe, or a custom :class:`QuantRecipe` (then ``keep_first``/``keep_last`` must be given)."""
+        recipe, or a custom :class:`QuantRecipe` (then ``keep_first``/``keep_last`` must be given);
+        ``gemm_engine``: the fp4 GEMM engine of every quantized recipe of the map (None: the recipes' own)."""
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern must be a non-empty string, got {pattern!r}")
         blocks = pattern.replace("|", "")
@@ -273,6 +276,11 @@ class LayerPrecisionMap:
         # Recipes a rule may name; the run's base name resolves to the run's (ablated) recipe.
         self._registry: dict[str, QuantRecipe] = {name: named_recipe(name) for name in recipe_names()}
         self._registry[base_name] = run_recipe
+        if gemm_engine is not None:
+            check_gemm_engine(gemm_engine)
+            self._registry = {k: r if r.is_bf16 else r.replace(gemm_engine=gemm_engine)
+                              for k, r in self._registry.items()}
+            run_recipe = self.run_recipe = self._registry[base_name]
 
         # keep counts
         if ablations.all_blocks_quantized:

@@ -112,7 +112,7 @@ class QuantLinearFunction(torch.autograd.Function):
             tel.record("fprop.W", pad_weight(weight.detach(), lctx.weight_pad), recipe.fprop.b, w_row)
             if x_col is not None:
                 tel.record("wgrad.x_col", x2.t(), recipe.wgrad.b, x_col)
-        y = qgemm(x_row, w_row, out_dtype=x.dtype)
+        y = qgemm(x_row, w_row, out_dtype=x.dtype, engine=recipe.gemm_engine)
         if bias is not None:
             y = y + bias
         ctx.lctx = lctx
@@ -145,9 +145,9 @@ class QuantLinearFunction(torch.autograd.Function):
                 tel.record("wgrad.dy_col", dy2.t(), recipe.wgrad.a, dy_col)
         dx = dw = db = None
         if need_dx:
-            dx = qgemm(dy_row, ctx.w_col, out_dtype=dy.dtype).view(ctx.x_shape)
+            dx = qgemm(dy_row, ctx.w_col, out_dtype=dy.dtype, engine=recipe.gemm_engine).view(ctx.x_shape)
         if need_dw:
-            dw = qgemm(dy_col, ctx.x_col, out_dtype=ctx.weight_dtype)
+            dw = qgemm(dy_col, ctx.x_col, out_dtype=ctx.weight_dtype, engine=recipe.gemm_engine)
             n, k = ctx.weight_shape
             if dw.shape != (n, k):  # a padded weight: its gradient is the unpadded block
                 dw = dw[:n, :k]

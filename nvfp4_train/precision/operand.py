@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 # imported here, not in the functions: an import statement costs host time on every call of the hot path
 # (kernels.nvfp4 itself imports only torch; Triton is imported when a kernel first runs)
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE
 from kernels.nvfp4 import nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
 from nvfp4_train.precision.recipe import OperandCast
 
@@ -123,18 +124,19 @@ def cast_pair(
     return r, c
 
 
-def qgemm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    """``C = A · Bᵀ`` for two operands of the same format (fp32 accumulation), as ``out_dtype``."""
+def qgemm(a: Operand, b: Operand, out_dtype: torch.dtype, engine: str = DEFAULT_GEMM_ENGINE) -> torch.Tensor:
+    """``C = A · Bᵀ`` for two operands of the same format (fp32 accumulation), as ``out_dtype``. ``engine``:
+    the fp4 GEMM engine (``kernels/gemm_engine.py``; the recipe's ``gemm_engine``)."""
     if a.format != b.format:
         raise ValueError(f"GEMM operands must share a format, got {a.format} and {b.format}")
     if a.format == "bf16":
         return torch.matmul(a.data, b.data.t()).to(out_dtype)
     if a.format == "nvfp4":
-        return nvfp4_gemm(a.data, b.data, out_dtype=out_dtype)
+        return nvfp4_gemm(a.data, b.data, out_dtype=out_dtype, engine=engine)
     if a.format == "mxfp4":
         from kernels.mxfp4 import mxfp4_gemm
 
-        return mxfp4_gemm(a.data, b.data, out_dtype=out_dtype)
+        return mxfp4_gemm(a.data, b.data, out_dtype=out_dtype, engine=engine)
     if a.format == "fp8_e4m3":
         from kernels.fp8 import fp8_gemm
 

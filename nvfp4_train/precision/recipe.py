@@ -18,13 +18,16 @@ Named recipes: ``bf16``, ``fp8`` (the paper's baseline), ``fp8_tensorwise``, ``n
 ``mxfp4``. Every paper ablation is an :class:`Ablations` value applied to a named fp4 recipe by
 :func:`apply_ablations`; ``Ablations.all_blocks_quantized`` is read by the layer precision map instead.
 
-Pure Python: no torch, no kernels, no megatron.
+Pure Python: no torch, no megatron; from the kernels only the GEMM engine names (``kernels/gemm_engine.py``,
+itself pure Python at import).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, check_gemm_engine
 
 __all__ = [
     "FORMATS",
@@ -35,6 +38,7 @@ __all__ = [
     "GemmCasts",
     "QuantRecipe",
     "Ablations",
+    "ABLATIONS",
     "NAMED_RECIPES",
     "recipe_names",
     "named_recipe",
@@ -187,10 +191,14 @@ class QuantRecipe:
     fprop: GemmCasts
     dgrad: GemmCasts
     wgrad: GemmCasts
+    # which implementation runs the fp4 GEMMs (``kernels/gemm_engine.py``; ``precision.gemm_engine``): not the
+    # numerics (every engine is exact up to the fp32 summation order), so not part of the name
+    gemm_engine: str = DEFAULT_GEMM_ENGINE
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"QuantRecipe.name={self.name!r} must be a non-empty string")
+        check_gemm_engine(self.gemm_engine)
         for role in GEMM_ROLES:
             g = getattr(self, role)
             if not isinstance(g, GemmCasts) or g.role != role:
@@ -305,6 +313,19 @@ def named_recipe(name: str) -> QuantRecipe:
         raise ValueError(f"unknown recipe {name!r}: use one of {recipe_names()}") from None
 
 
+# The one vocabulary of the ablations: name -> (the ``Ablations`` switch, its value). ``precision=<base>_<name>``
+# is the named config (configs/precision/nvfp4_no_rht.yaml, ...), ``<base>_<name>`` the convergence run,
+# ``<base>+<name>`` the recipe it resolves to (all but all_blocks, which picks blocks, not casts).
+ABLATIONS: dict[str, tuple[str, bool]] = {
+    "no_rht": ("rht", False),
+    "no_sr": ("stochastic_rounding", False),
+    "1d": ("weight_2d", False),
+    "rht_all": ("rht_all_gemms", True),
+    "sr_all": ("stochastic_rounding_all", True),
+    "all_blocks": ("all_blocks_quantized", True),
+}
+
+
 @dataclass(kw_only=True)
 class Ablations:
     """The paper's ablations as switches on a named fp4 recipe (defaults = the paper's recipe).
@@ -341,19 +362,10 @@ class Ablations:
             )
 
     def recipe_tags(self) -> tuple[str, ...]:
-        """Short names of the switches that change the recipe, in a fixed order (used in recipe names)."""
-        tags = []
-        if not self.rht:
-            tags.append("no_rht")
-        if not self.stochastic_rounding:
-            tags.append("no_sr")
-        if not self.weight_2d:
-            tags.append("w1d")
-        if self.rht_all_gemms:
-            tags.append("rht_all")
-        if self.stochastic_rounding_all:
-            tags.append("sr_all")
-        return tuple(tags)
+        """The ``ABLATIONS`` names of the switches set here that change the recipe, in that table's order
+        (used in recipe names: ``nvfp4+no_rht``)."""
+        return tuple(tag for tag, (fld, value) in ABLATIONS.items()
+                     if fld != "all_blocks_quantized" and getattr(self, fld) == value)
 
     @property
     def is_default(self) -> bool:
@@ -394,6 +406,7 @@ def apply_ablations(recipe: QuantRecipe, ablations: Ablations) -> QuantRecipe:
     f, d, w = recipe.fprop, recipe.dgrad, recipe.wgrad
     return QuantRecipe(
         name=recipe.name + "".join(f"+{t}" for t in tags),
+        gemm_engine=recipe.gemm_engine,
         fprop=GemmCasts(
             "fprop",
             cast(f.a, weight=False, grad=False, rht=fprop_rht),

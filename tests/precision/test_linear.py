@@ -39,11 +39,13 @@ class _Capture:
 
     def __init__(self, monkeypatch):
         self.calls = []
+        self.engines = []
         real = operand_mod.qgemm
 
-        def spy(a, b, out_dtype):
+        def spy(a, b, out_dtype, engine):
             self.calls.append((a, b))
-            return real(a, b, out_dtype)
+            self.engines.append(engine)
+            return real(a, b, out_dtype, engine)
 
         monkeypatch.setattr("nvfp4_train.precision.linear.qgemm", spy)
 
@@ -80,6 +82,20 @@ def test_nvfp4_gemm_operands_are_recipe_section_3(gen, monkeypatch):
     assert _same_q(wb.data, quantize_nvfp4_ref(xd.t(), rht=True))
     assert torch.equal(gx, nvfp4_gemm_ref(da.data, db.data, torch.bfloat16))
     assert torch.equal(gw, nvfp4_gemm_ref(wa.data, wb.data, torch.bfloat16))
+
+
+@pytest.mark.parametrize("engine", ["cublas", "triton", "native", "auto"])
+def test_recipe_gemm_engine_reaches_every_gemm(gen, monkeypatch, engine):
+    """The recipe's gemm_engine is passed to the three GEMMs; on the reference path (CPU) it does not change
+    the result."""
+    x, w, dy = _inputs(gen)
+    ref = quantized_linear(x, w, None, LinearContext(named_recipe("nvfp4")))
+    ref_g = torch.autograd.grad(ref, (x, w), dy)
+    cap = _Capture(monkeypatch)
+    y = quantized_linear(x, w, None, LinearContext(named_recipe("nvfp4").replace(gemm_engine=engine)))
+    g = torch.autograd.grad(y, (x, w), dy)
+    assert cap.engines == [engine] * 3
+    assert torch.equal(y, ref) and all(torch.equal(a, b) for a, b in zip(g, ref_g, strict=True))
 
 
 def test_nvfp4_saves_quantized_operands_only(gen):

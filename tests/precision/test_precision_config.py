@@ -11,15 +11,48 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from nvfp4_train.config import CONFIG_DIR, Config, PrecisionConfig, compose_config
-from nvfp4_train.precision.recipe import Ablations
+from nvfp4_train.precision.recipe import ABLATIONS, Ablations
 
 REPO = Path(__file__).resolve().parents[2]
 PRECISIONS = ("bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4")
+NAMED_ABLATIONS = tuple(f"nvfp4_{tag}" for tag in ABLATIONS)
 
 
 def test_config_dir_is_the_checkout():
     assert CONFIG_DIR == REPO / "configs"
-    assert sorted(p.stem for p in (CONFIG_DIR / "precision").glob("*.yaml")) == sorted(PRECISIONS)
+    assert sorted(p.stem for p in (CONFIG_DIR / "precision").glob("*.yaml")) == sorted(PRECISIONS + NAMED_ABLATIONS)
+
+
+@pytest.mark.parametrize("tag", list(ABLATIONS))
+def test_each_named_ablation_config(tag):
+    """precision=nvfp4_<tag> is nvfp4 with exactly the ABLATIONS switch of <tag>; the run's recipe is named
+    nvfp4+<tag> (all_blocks: nvfp4 itself, every block quantized)."""
+    fld, value = ABLATIONS[tag]
+    cfg = compose_config("table", [f"precision=nvfp4_{tag}", "model=12b"])
+    p = cfg.precision
+    assert p.recipe == "nvfp4" and p.ablations == Ablations(**{fld: value})
+    assert p.gemm_engine == "cublas" and p.keep_first is None and p.rules == []
+    m = p.layer_map(cfg.model.pattern)
+    assert m.run_recipe.name == ("nvfp4" if tag == "all_blocks" else f"nvfp4+{tag}")
+    assert m.num_bf16 == (0 if tag == "all_blocks" else 20)
+    # the switches stay the underlying fields: an override on top of the named config wins
+    cfg = compose_config("table", [f"precision=nvfp4_{tag}", f"precision.ablations.{fld}={str(not value).lower()}"])
+    assert cfg.precision.ablations == Ablations()
+
+
+@pytest.mark.parametrize("engine", ["cublas", "triton", "native", "auto"])
+def test_gemm_engine_reaches_every_quantized_recipe(engine):
+    cfg = compose_config("table", ["model=12b", f"precision.gemm_engine={engine}",
+                                   "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
+    m = cfg.precision.layer_map(cfg.model.pattern)
+    for r in m.recipes().values():
+        assert r.gemm_engine == (engine if not r.is_bf16 else "cublas"), r.name
+
+
+def test_gemm_engine_is_validated_once_with_the_choices():
+    with pytest.raises(ValueError, match=r"precision.gemm_engine='cuBLAS' is not one of \('cublas', 'triton', "
+                                        r"'native', 'auto'\)"):
+        compose_config("table", ["precision.gemm_engine=cuBLAS"])
 
 
 @pytest.mark.parametrize("name", PRECISIONS)

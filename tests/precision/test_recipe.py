@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nvfp4_train.precision.recipe import (
+    ABLATIONS,
     BF16,
     NAMED_RECIPES,
     Ablations,
@@ -98,7 +99,7 @@ ABLATION_CASES = {
         _nv(i2=C("nvfp4", NV_ROW), i4=C("nvfp4", NV_ROW, "nearest", True)),
         True,
     ),
-    "w1d": (
+    "1d": (
         Ablations(weight_2d=False),
         _nv(i1=C("nvfp4", NV_ROW), i3=C("nvfp4", NV_ROW)),  # W along K in fprop, along N in dgrad
         False,
@@ -132,6 +133,17 @@ def test_each_ablation(tag):
     assert r.weight_shared_fprop_dgrad is shared
 
 
+def test_ablation_cases_are_the_vocabulary():
+    """Every recipe-changing name of ABLATIONS is a case above, with that one switch set."""
+    assert set(ABLATION_CASES) == set(ABLATIONS) - {"all_blocks"}
+    for tag, (fld, value) in ABLATIONS.items():
+        ab = Ablations(**{fld: value})
+        assert ab != Ablations()
+        assert ab.recipe_tags() == (() if tag == "all_blocks" else (tag,))
+        if tag in ABLATION_CASES:
+            assert ABLATION_CASES[tag][0] == ab
+
+
 def test_all_blocks_quantized_leaves_recipe_alone():
     r = named_recipe("nvfp4")
     assert apply_ablations(r, Ablations(all_blocks_quantized=True)) is r
@@ -140,7 +152,7 @@ def test_all_blocks_quantized_leaves_recipe_alone():
 
 def test_combined_ablations():
     r = apply_ablations(named_recipe("nvfp4"), Ablations(rht=False, stochastic_rounding=False, weight_2d=False))
-    assert r.name == "nvfp4+no_rht+no_sr+w1d"
+    assert r.name == "nvfp4+no_rht+no_sr+1d"
     assert casts(r) == (C("nvfp4", NV_ROW),) * 6
 
 

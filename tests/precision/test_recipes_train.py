@@ -31,7 +31,7 @@ STEPS = 30
 ABLATIONS = {
     "no_rht": Ablations(rht=False),
     "no_sr": Ablations(stochastic_rounding=False),
-    "w1d": Ablations(weight_2d=False),
+    "1d": Ablations(weight_2d=False),
     "rht_all": Ablations(rht_all_gemms=True),
     "sr_all": Ablations(stochastic_rounding_all=True),
 }
