@@ -58,7 +58,10 @@ def _native_supported(device) -> bool:
 
 def resolve_gemm_engine(engine: str, device) -> str:
     """The engine that runs on ``device`` (a torch.device): "auto" becomes "native" where ``device`` supports
-    it, else ``DEFAULT_GEMM_ENGINE``; the others are themselves."""
+    it, else ``DEFAULT_GEMM_ENGINE``; "native" on a CPU device (the interpreter) becomes ``DEFAULT_GEMM_ENGINE``;
+    the others are themselves."""
     if engine == "auto":
         return "native" if _native_supported(device) else DEFAULT_GEMM_ENGINE
+    if engine == "native" and device.type != "cuda":
+        return DEFAULT_GEMM_ENGINE  # CPU tensors under TRITON_INTERPRET=1: the interpreter runs the Hopper kernels
     return engine

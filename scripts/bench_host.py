@@ -125,8 +125,10 @@ class _Ops(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _build(recipe_name: str, layer: str, m: int, k: int, n: int, uncached: bool = False):
-    """A closure running one forward + backward, and one resetting the gradients."""
+def _build(recipe_name: str, layer: str, m: int, k: int, n: int, uncached: bool = False,
+           gemm_engine: str = "cublas"):
+    """A closure running one forward + backward, and one resetting the gradients (the fp4 GEMMs by
+    ``gemm_engine``)."""
     from nvfp4_train.precision.linear import LinearContext, quantized_linear
     from nvfp4_train.precision.recipe import named_recipe
     from nvfp4_train.precision.telemetry import LayerTelemetry, probe_input_grad
@@ -138,7 +140,7 @@ def _build(recipe_name: str, layer: str, m: int, k: int, n: int, uncached: bool 
         from scripts.bench_linear import build_layer
         from nvfp4_train.precision.megatron_linear import set_weight_cache
 
-        mod = build_layer("column", k, n, recipe_name, torch.device("cpu"), seed=0)
+        mod = build_layer("column", k, n, recipe_name, torch.device("cpu"), seed=0, gemm_engine=gemm_engine)
         set_weight_cache(mod, not uncached)
         params = list(mod.parameters())
 
@@ -147,7 +149,7 @@ def _build(recipe_name: str, layer: str, m: int, k: int, n: int, uncached: bool 
     else:
         w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
         params = [w]
-        lctx = LinearContext(recipe=named_recipe(recipe_name))
+        lctx = LinearContext(recipe=named_recipe(recipe_name).replace(gemm_engine=gemm_engine))
         tel = LayerTelemetry()
         cache = lctx.weight_cache
 
@@ -179,12 +181,12 @@ def _cpu_compat_mode():
 
 
 def measure(recipe_name: str, layer: str, m: int, k: int, n: int, iters: int, warmup: int,
-            by_line: bool = False, uncached: bool = False) -> dict:
+            by_line: bool = False, uncached: bool = False, gemm_engine: str = "cublas") -> dict:
     mode = _cpu_compat_mode()
     if mode is not None:
         mode.__enter__()
     try:
-        step, reset = _build(recipe_name, layer, m, k, n, uncached)
+        step, reset = _build(recipe_name, layer, m, k, n, uncached, gemm_engine)
     finally:
         if mode is not None:
             mode.__exit__(None, None, None)

@@ -3,8 +3,7 @@
 
 For M = 8192 tokens and (K, N) of each 12B linear layer, it prints markdown tables of:
   * GEMM TFLOP/s: cuBLAS BF16 (``torch.matmul``), FP8 ``torch._scaled_mm`` tensorwise (scales on device),
-    our NVFP4 GEMM (fused dequant, default settings and its variants: bf16 dot, split nibbles, folded 2^14),
-    the pre-dequantized design (dequantize both operands to 16 bits, then the Triton 16-bit GEMM; total and
+    our NVFP4 GEMM: the pre-dequantized design (dequantize both operands to 16 bits, then the Triton 16-bit GEMM; total and
     GEMM-only), the same design with the "cublas" engine (dequantize both to bf16, cuBLAS GEMM with fp32
     output, then the Triton alpha pass; total, and the cuBLAS-fp32 + alpha part alone from bf16 operands,
     and the alpha pass alone; the default of ``nvfp4_gemm``), our MXFP4 GEMM, and the naive PyTorch emulation
@@ -29,7 +28,7 @@ Usage (on the GPU machine, from the repo root)::
     python3 scripts/bench_kernels.py                    # all 6 shapes -> markdown on stdout
     python3 scripts/bench_kernels.py --out bench.json   # also the raw numbers as JSON
     python3 scripts/bench_kernels.py --quick            # 2 shapes, fewer reps
-    python3 scripts/bench_kernels.py --sweep            # also time every CANDIDATE_CONFIGS entry per shape
+    python3 scripts/bench_kernels.py --sweep            # also time every SWEEP_CONFIGS entry per shape
     python3 scripts/bench_kernels.py --quantize-only    # only the quantizer table (K of all 6 shapes)
     python3 scripts/bench_kernels.py --gemm-only        # only the GEMM tables (no quantizer table)
     TRITON_INTERPRET=1 python3 scripts/bench_kernels.py --dry-run   # CPU smoke test of this script's logic
@@ -55,8 +54,15 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from kernels.fp4_gemm import (  # noqa: E402
+    GemmConfig,
+    dequantize_fp4_blockwise_pair_triton,
+    gemm_alpha_cublas,
+    gemm_alpha_triton,
+    scale_alpha_triton,
+)
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE  # noqa: E402
 from kernels.nvfp4 import (  # noqa: E402
-    DEFAULT_GEMM_ENGINE,
     dequantize_nvfp4_ref,
     nvfp4_gemm,
     nvfp4_gemm_ref,
@@ -65,15 +71,7 @@ from kernels.nvfp4 import (  # noqa: E402
     quantize_nvfp4_rowcol,
     quantize_nvfp4_rowcol_ref,
 )
-from kernels.nvfp4.gemm import (  # noqa: E402
-    CANDIDATE_CONFIGS,
-    dequantize_nvfp4_blockwise_triton,
-    gemm_alpha_cublas,
-    gemm_alpha_triton,
-    nvfp4_gemm_predequant,
-    nvfp4_gemm_triton,
-    scale_alpha_triton,
-)
+from kernels.nvfp4.gemm import nvfp4_gemm_predequant  # noqa: E402
 from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha  # noqa: E402
 
 M_TOKENS = 8192
@@ -89,13 +87,28 @@ SHAPES = [
 QUICK_SHAPES = ["qkv", "mlp fc2"]
 CHECK_ROWS = 128
 
-# fused NVFP4 variants: (label, kwargs of nvfp4_gemm_triton)
-FUSED_VARIANTS = [
-    ("fused fp16", dict()),
-    ("fused bf16", dict(dot_dtype="bf16")),
-    ("fused fp16 split", dict(split_nibbles=True)),
-    ("fused fp16 fold", dict(fold_pow2=True)),
-]
+# the dequantize-in-registers ("fused") GEMM left the library (its numbers stay in docs/benchmarks.md): no
+# variants of it are timed here any more; its table columns print "–"
+FUSED_VARIANTS: list = []
+# tile configs of the Triton 16-bit GEMM timed by --sweep
+SWEEP_CONFIGS = (
+    GemmConfig(128, 256, 64, 8, 3),
+    GemmConfig(128, 256, 64, 8, 4),
+    GemmConfig(128, 256, 128, 8, 3),
+    GemmConfig(128, 256, 128, 8, 2),
+    GemmConfig(256, 128, 64, 8, 3),
+    GemmConfig(128, 128, 64, 8, 3),
+    GemmConfig(128, 128, 128, 8, 3),
+    GemmConfig(128, 128, 128, 4, 3),
+    GemmConfig(128, 128, 256, 8, 2),
+    GemmConfig(64, 256, 128, 4, 3),
+)
+
+
+def dequantize_nvfp4_blockwise_triton(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q * sdec_b`` of one operand as [M, K] ``dtype`` (the GEMM's pair dequantize, with an empty partner)."""
+    return dequantize_fp4_blockwise_pair_triton(q.codes, q.scales, q.codes[:0], q.scales[:0], block=16,
+                                                scale_format="e4m3", dtype=dtype)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -278,12 +291,6 @@ class Run:
         def chk(c):
             return check_nvfp4_gemm(c, a, b)
 
-        for label, kw in FUSED_VARIANTS:
-            if self.args.dry_run and kw.get("dot_dtype") == "bf16":
-                continue  # the interpreter's bf16 dot is wrong (kernels/nvfp4/gemm.py refuses it)
-            row[f"{label}_ms"] = self.measure(
-                f"NVFP4 {label}", lambda qa, qb, kw=kw: nvfp4_gemm_triton(qa, qb, torch.bfloat16, **kw), chk, sets)
-
         # pre-dequantized design: total (dequantize both + 16-bit GEMM) and the GEMM alone
         for dot, dt in (("fp16", torch.float16),) + ((("bf16", torch.bfloat16),) if not self.args.dry_run else ()):
             row[f"predequant {dot}_ms"] = self.measure(
@@ -389,10 +396,9 @@ class Run:
         db = dequantize_nvfp4_blockwise_triton(b, torch.float16)
         alpha = nvfp4_alpha(a.amax, b.amax).reshape(1)
         out = []
-        for cfg in CANDIDATE_CONFIGS:
+        for cfg in SWEEP_CONFIGS:
             r = dict(config=f"BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}")
-            r["fused_ms"] = self.measure(f"sweep fused {cfg}", lambda: nvfp4_gemm_triton(a, b, config=cfg),
-                                         lambda c: check_nvfp4_gemm(c, a, b))
+            r["fused_ms"] = None
             r["gemm16_ms"] = self.measure(f"sweep gemm16 {cfg}", lambda: gemm_alpha_triton(da, db, alpha, config=cfg),
                                           lambda c: check_nvfp4_gemm(c, a, b))
             r["fused_tflops"] = tflops(M, N, K, r["fused_ms"])
@@ -532,7 +538,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="also write the raw numbers to this JSON file")
     ap.add_argument("--quick", action="store_true", help=f"only {QUICK_SHAPES}, fewer repetitions")
-    ap.add_argument("--sweep", action="store_true", help="time every CANDIDATE_CONFIGS entry per shape")
+    ap.add_argument("--sweep", action="store_true", help="time every SWEEP_CONFIGS entry per shape")
     ap.add_argument("--shapes", nargs="*", help="subset of GEMM names (default: all)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test of this script under TRITON_INTERPRET=1 (tiny shapes, no timing value)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Designs and launch configs of the fused NVFP4 row+column quantizer on x [8192, K] bf16 (GPU only).
+"""Launch configs of the fused NVFP4 row+column quantizer on x [8192, K] bf16 (GPU only).
 
 Every variant is first checked bit for bit against ``quantize_nvfp4_rowcol_ref`` on the whole tensor (a
 failing variant is reported and not timed), then timed with ``triton.testing.do_bench`` (median; it flushes
@@ -7,10 +7,8 @@ L2 before each call). GB/s count the bytes each variant moves: "full" = amax pas
 pass (1 read + the four outputs), "amax given" = the quantize pass alone; both as a share of a device-to-device
 copy measured in the same run (bytes read + written).
 
-Usage: python3 scripts/bench_quantize_sweep.py [--ks 5120 10240 20480] [--quick | --lean] [--out sweep.json]
-       --quick         the tiled design, "grouped" and "grouped_lean" at their default configs
-       --lean          only "grouped" vs "grouped_lean" (the default; also at 64x256, and without its inline
-                       PTX): the short run that measures the lean design against the one it replaces
+Usage: python3 scripts/bench_quantize_sweep.py [--ks 5120 10240 20480] [--quick] [--out sweep.json]
+       --quick         the default configs only
        [--wait FILE]   compile and check everything first, then wait until FILE exists before timing
                        (lets a test run share the compile phase without disturbing the timings)
 """
@@ -36,30 +34,19 @@ from kernels.nvfp4.quantize import amax_triton, quantize_nvfp4_rowcol_triton  # 
 from kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref  # noqa: E402
 
 M = 8192
-# (label, design, quantize-pass config, amax-pass config, modes)
+# (label, quantize-pass config, amax-pass config, modes)
 VARIANTS = [
-    ("tiled 64x64 w4 (first)", "tiled", dict(block_m=64, block_k=64, num_warps=4), dict(), ("RNE", "SR")),
-    ("grouped 64x128 w4 (default)", "grouped", dict(block_m=64, block_k=128, num_warps=4), dict(), ("RNE", "SR")),
-    ("grouped_lean 64x128 w4", "grouped_lean", dict(block_m=64, block_k=128, num_warps=4), dict(),
-     ("RNE", "SR")),
-    ("grouped_lean 64x256 w4", "grouped_lean", dict(block_m=64, block_k=256, num_warps=4), dict(), ("RNE", "SR")),
-    ("grouped_lean_noasm 64x128 w4", "grouped_lean_noasm", dict(block_m=64, block_k=128, num_warps=4), dict(),
-     ("RNE", "SR")),
-    ("grouped 64x128 w4 maxnreg 168", "grouped", dict(block_m=64, block_k=128, num_warps=4, maxnreg=168), dict(),
-     ("RNE", "SR")),
-    ("grouped 64x128 w4 maxnreg 128", "grouped", dict(block_m=64, block_k=128, num_warps=4, maxnreg=128), dict(),
-     ("RNE",)),
-    ("grouped 32x128 w4", "grouped", dict(block_m=32, block_k=128, num_warps=4), dict(), ("RNE", "SR")),
-    ("grouped 64x256 w4", "grouped", dict(block_m=64, block_k=256, num_warps=4), dict(), ("RNE",)),
+    ("64x128 w4 (default)", dict(block_m=64, block_k=128, num_warps=4), dict(), ("RNE", "SR")),
+    ("64x256 w4", dict(block_m=64, block_k=256, num_warps=4), dict(), ("RNE", "SR")),
+    ("64x128 w4 maxnreg 168", dict(block_m=64, block_k=128, num_warps=4, maxnreg=168), dict(), ("RNE", "SR")),
+    ("64x128 w4 maxnreg 128", dict(block_m=64, block_k=128, num_warps=4, maxnreg=128), dict(), ("RNE",)),
+    ("32x128 w4", dict(block_m=32, block_k=128, num_warps=4), dict(), ("RNE", "SR")),
 ]
-QUICK = {"tiled 64x64 w4 (first)", "grouped 64x128 w4 (default)", "grouped_lean 64x128 w4"}
-LEAN = {"grouped 64x128 w4 (default)", "grouped_lean 64x128 w4", "grouped_lean 64x256 w4",
-        "grouped_lean_noasm 64x128 w4"}
+QUICK = {"64x128 w4 (default)"}
 AMAX_VARIANTS = [
-    ("tiled 64x64 w4 (first)", "tiled", dict(block_m=64, block_k=64, num_warps=4)),
-    ("grouped 32x256 w4 3/SM (default)", "grouped", dict(block_m=32, block_k=256, num_warps=4, per_sm=3)),
-    ("grouped 64x128 w4 4/SM", "grouped", dict(block_m=64, block_k=128, num_warps=4, per_sm=4)),
-    ("grouped 32x256 w4 2/SM", "grouped", dict(block_m=32, block_k=256, num_warps=4, per_sm=2)),
+    ("32x256 w4 3/SM (default)", dict(block_m=32, block_k=256, num_warps=4, per_sm=3)),
+    ("64x128 w4 4/SM", dict(block_m=64, block_k=128, num_warps=4, per_sm=4)),
+    ("32x256 w4 2/SM", dict(block_m=32, block_k=256, num_warps=4, per_sm=2)),
 ]
 MODES = [
     ("RNE", dict(), dict()),
@@ -100,11 +87,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ks", type=int, nargs="*", default=[5120, 10240, 20480])
     ap.add_argument("--quick", action="store_true", help="only the variants in QUICK")
-    ap.add_argument("--lean", action="store_true", help="only the variants in LEAN (grouped vs grouped_lean)")
     ap.add_argument("--wait", type=Path)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    keep = LEAN if args.lean else QUICK if args.quick else None
+    keep = QUICK if args.quick else None
     variants = [v for v in VARIANTS if keep is None or v[0] in keep]
 
     torch.manual_seed(0)
@@ -120,27 +106,27 @@ def main() -> int:
         for mode, ref_kw, kw in MODES:
             ref = quantize_nvfp4_rowcol_ref(x, col_rht=True, **ref_kw)
             am_row, am_col = ref[0].amax, ref[1].amax
-            for label, design, cfg, acfg, modes in variants:
+            for label, cfg, acfg, modes in variants:
                 if mode not in modes:
                     continue
                 for given in (False, True):
                     amax_kw = dict(row_amax=am_row, col_amax=am_col) if given else dict()
 
-                    def fn(x=x, design=design, cfg=cfg, acfg=acfg, kw=kw, amax_kw=amax_kw):
-                        return quantize_nvfp4_rowcol_triton(x, write_col=True, col_rht=True, design=design,
-                                                            amax_cfg=acfg, **cfg, **kw, **amax_kw)
+                    def fn(x=x, cfg=cfg, acfg=acfg, kw=kw, amax_kw=amax_kw):
+                        return quantize_nvfp4_rowcol_triton(x, write_col=True, col_rht=True, amax_cfg=acfg, **cfg,
+                                                            **kw, **amax_kw)
 
                     name = f"K={K} {mode} {label} {'amax given' if given else 'full'}"
                     if not checked(name, lambda fn=fn: same(fn(), ref), failures):
                         continue
                     nbytes = (2 * n if given else 4 * n) + writes
                     jobs.append(dict(K=K, mode=mode, variant=label, amax_given=given, fn=fn, nbytes=nbytes))
-        amax_variants = AMAX_VARIANTS[1:2] if args.lean else AMAX_VARIANTS[:2] if args.quick else AMAX_VARIANTS
-        for label, design, acfg in amax_variants:
+        amax_variants = AMAX_VARIANTS[:1] if args.quick else AMAX_VARIANTS
+        for label, acfg in amax_variants:
             ref_am = torch.stack((ref[0].amax, ref[1].amax))
 
-            def afn(x=x, design=design, acfg=acfg):
-                return amax_triton(x, True, design=design, **acfg)
+            def afn(x=x, acfg=acfg):
+                return amax_triton(x, True, **acfg)
 
             name = f"K={K} amax pass {label}"
             if not checked(name, lambda afn=afn: torch.equal(afn(), ref_am), failures):
@@ -164,17 +150,6 @@ def main() -> int:
         what = "quantize pass (amax given)" if r["amax_given"] else ("amax pass" if r["mode"] == "amax only" else "full")
         print(f"| {r['K']} | {r['mode']} | {r['variant']} | {what} | {r['us']:.1f} | {r['GBps']:.0f} "
               f"| {r['pct_copy']:.0f}% |", flush=True)
-    # the lean design against the default grouped one, both at 64x128, from the rows above
-    old_v, new_v = "grouped 64x128 w4 (default)", "grouped_lean 64x128 w4"
-    t = {(r["K"], r["mode"], r["amax_given"], r["variant"]): r for r in rows}
-    pairs = [(k[:3], t[k], t.get(k[:3] + (new_v,))) for k in t if k[3] == old_v]
-    if any(n is not None for _, _, n in pairs):
-        print(f"\n| K | mode | pass | {old_v} us | {new_v} us | speed-up | new % of copy |", flush=True)
-        print("|---|---|---|---|---|---|---|")
-        for (K, mode, given), o, n in pairs:
-            if n is not None:
-                print(f"| {K} | {mode} | {'amax given' if given else 'full'} | {o['us']:.1f} | {n['us']:.1f} "
-                      f"| {o['us'] / n['us']:.2f}x | {n['pct_copy']:.0f}% |", flush=True)
     if failures:
         print("\nFAILED: " + "; ".join(failures))
     if args.out:

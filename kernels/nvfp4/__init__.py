@@ -176,7 +176,7 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bf
         check_gemm_engine(engine)
     if not use_triton(a.codes):
         return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
-    if engine == "auto":
+    if engine == "auto" or engine == "native":
         engine = resolve_gemm_engine(engine, a.codes.device)
     if engine == "native":
         from kernels.nvfp4.native import nvfp4_gemm_native

@@ -33,7 +33,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kernels.gemm_engine import check_gemm_engine
 from nvfp4_train.precision.recipe import (
     BF16,
     Ablations,
@@ -276,8 +275,7 @@ class LayerPrecisionMap:
         # Recipes a rule may name; the run's base name resolves to the run's (ablated) recipe.
         self._registry: dict[str, QuantRecipe] = {name: named_recipe(name) for name in recipe_names()}
         self._registry[base_name] = run_recipe
-        if gemm_engine is not None:
-            check_gemm_engine(gemm_engine)
+        if gemm_engine is not None:  # QuantRecipe checks the name
             self._registry = {k: r if r.is_bf16 else r.replace(gemm_engine=gemm_engine)
                               for k, r in self._registry.items()}
             run_recipe = self.run_recipe = self._registry[base_name]

@@ -10,7 +10,7 @@ import pytest
 from kernels.fp4_reference import seed_key
 from kernels.fp4_triton import key_arg
 from kernels.mxfp4.quantize import _mxfp4_quantize_kernel
-from kernels.nvfp4.quantize import _quantize_grouped_kernel, _quantize_kernel
+from kernels.nvfp4.quantize import _quantize_grouped_kernel
 
 
 @pytest.mark.parametrize("key", [0, 1, 16, 2**31 - 1, 2**31, 2**32 - 1, seed_key(0), seed_key(12345)])
@@ -26,7 +26,7 @@ def test_key_arg_rejects_out_of_range():
             key_arg(bad)
 
 
-@pytest.mark.parametrize("kernel", [_quantize_kernel, _quantize_grouped_kernel, _mxfp4_quantize_kernel])
+@pytest.mark.parametrize("kernel", [_quantize_grouped_kernel, _mxfp4_quantize_kernel])
 def test_keys_are_not_specialized(kernel):
     if not hasattr(kernel, "do_not_specialize"):
         pytest.skip("TRITON_INTERPRET=1: the interpreter's kernels compile nothing and keep no specialization list")

@@ -1,6 +1,6 @@
-"""The pair dequantize (kernels/nvfp4/gemm.py ``dequantize_fp4_blockwise_pair_triton``, ``_dequant_pair_kernel``):
-both operands of one GEMM in ONE launch, the same bits as two single launches (``dequantize_fp4_blockwise_triton``)
-and as the reference dequantization; and the pre-dequantized GEMM (both engines) launches it once per GEMM.
+"""The pair dequantize (kernels/fp4_gemm.py ``dequantize_fp4_blockwise_pair_triton``, ``_dequant_pair_kernel``):
+both operands of one GEMM in ONE launch, the same bits as the reference dequantization (raw bits: zero signs
+included, NaN at the same places); and the GEMM (both engines) launches it once per GEMM.
 
 ``triton`` tests run under TRITON_INTERPRET=1 on CPU (``make test``) and natively on CUDA (``make test-gpu``); the
 unmarked one (argument errors) launches nothing.
@@ -11,14 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.nvfp4.gemm as gemm
-from kernels.nvfp4.gemm import (
-    dequantize_fp4_blockwise_pair_triton,
-    dequantize_fp4_blockwise_triton,
-    gemm_alpha_cublas,
-    gemm_alpha_triton,
-    nvfp4_gemm_predequant,
-)
+import kernels.fp4_gemm as fp4_gemm
+from kernels.fp4_gemm import dequantize_fp4_blockwise_pair_triton, gemm_alpha_cublas, gemm_alpha_triton
+from kernels.fp4_reference import e2m1_decode, unpack_nibbles
+from kernels.mxfp4.reference import e8m0_to_float32
+from kernels.nvfp4.gemm import _alpha, nvfp4_gemm_predequant
 from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values
 from tests.kernels.test_nvfp4_gemm import assert_bitwise, make, on, random_operand, to_cpu
 
@@ -27,10 +24,24 @@ _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32:
 
 
 def same_bits(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Raw bit equality (NaN payloads and zero signs included)."""
+    """Raw bit equality, zero signs included; NaN at the same positions (its payload is the device's)."""
     got, ref = got.cpu(), ref.cpu()
-    return got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(
-        got.contiguous().view(_BITS[got.dtype]), ref.contiguous().view(_BITS[ref.dtype]))
+    if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(got.isnan(), ref.isnan()):
+        return False
+    keep = ~ref.isnan()
+    return torch.equal(got[keep].view(_BITS[got.dtype]), ref[keep].view(_BITS[ref.dtype]))
+
+
+def dequant_ref(codes: torch.Tensor, scales: torch.Tensor, block: int, scale_format: str,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``e2m1 * scale`` in fp32 (exact) from packed codes and scale bytes, then ``dtype`` (exact too: at most
+    6 significant bits, in range): the reference of the pair kernel."""
+    codes, scales = codes.cpu(), scales.cpu().view(torch.uint8)
+    if scale_format == "e4m3":
+        sc = scales.view(torch.float8_e4m3fn).float()
+    else:
+        sc = e8m0_to_float32(scales)
+    return (e2m1_decode(unpack_nibbles(codes)) * sc.repeat_interleave(block, dim=1)).to(dtype)
 
 
 def every_byte_operand(rows: int, K: int, gen: torch.Generator, device: str, offset: int = 0) -> NVFP4Tensor:
@@ -49,7 +60,7 @@ SHAPES = [(37, 5, 16 * 9), (1, 70, 48), (65, 129, 16 * 11), (0, 20, 32), (20, 0,
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("tiles", [dict(), dict(block_m=16, block_k=32)])
-def test_pair_equals_two_single_launches_and_reference(triton_device, gen, shape, tiles):
+def test_pair_equals_reference(triton_device, gen, shape, tiles):
     M, N, K = shape
     a = every_byte_operand(M, K, gen, triton_device)
     b = every_byte_operand(N, K, gen, triton_device, offset=101)
@@ -59,8 +70,8 @@ def test_pair_equals_two_single_launches_and_reference(triton_device, gen, shape
         da, db = dequantize_fp4_blockwise_pair_triton(a.codes, a.scales, b.codes, b.scales, **kw)
         assert da.shape == (M, K) and db.shape == (N, K) and da.dtype == db.dtype == dt
         assert da.is_contiguous() and db.is_contiguous()
-        assert same_bits(da, dequantize_fp4_blockwise_triton(a.codes, a.scales, **kw)), f"A {dt}"
-        assert same_bits(db, dequantize_fp4_blockwise_triton(b.codes, b.scales, **kw)), f"B {dt}"
+        assert same_bits(da, dequant_ref(a.codes, a.scales, 16, "e4m3", dt)), f"A {dt}"
+        assert same_bits(db, dequant_ref(b.codes, b.scales, 16, "e4m3", dt)), f"B {dt}"
         assert_bitwise(da.float(), ref_a, f"A {dt}")
         assert_bitwise(db.float(), ref_b, f"B {dt}")
 
@@ -78,8 +89,8 @@ def test_pair_zero_and_subnormal_scales(triton_device, gen):
     for dt in DTYPES:
         kw = dict(block=16, scale_format="e4m3", dtype=dt)
         da, db = dequantize_fp4_blockwise_pair_triton(a.codes, a.scales, b.codes, b.scales, **kw)
-        assert same_bits(da, dequantize_fp4_blockwise_triton(a.codes, a.scales, **kw))
-        assert same_bits(db, dequantize_fp4_blockwise_triton(b.codes, b.scales, **kw))
+        assert same_bits(da, dequant_ref(a.codes, a.scales, 16, "e4m3", dt))
+        assert same_bits(db, dequant_ref(b.codes, b.scales, 16, "e4m3", dt))
         assert_bitwise(da.float(), _blockwise_values(to_cpu(a)))
         assert_bitwise(db.float(), _blockwise_values(to_cpu(b)))
         assert (db.float().abs().cpu()[db.float().cpu() != 0] >= 2.0**-10).all()
@@ -99,8 +110,8 @@ def test_pair_strided_inputs_and_e8m0(triton_device, gen):
     for dt in DTYPES:
         kw = dict(block=16, scale_format="e4m3", dtype=dt, block_m=16, block_k=32)
         da, db = dequantize_fp4_blockwise_pair_triton(ac, sa, bc, sb, **kw)
-        assert same_bits(da, dequantize_fp4_blockwise_triton(ac.contiguous(), sa.contiguous(), **kw))
-        assert same_bits(db, dequantize_fp4_blockwise_triton(bc.contiguous(), sb.contiguous(), **kw))
+        assert same_bits(da, dequant_ref(ac, sa, 16, "e4m3", dt))
+        assert same_bits(db, dequant_ref(bc, sb, 16, "e4m3", dt))
     Kx = 32 * 3
     ac = torch.randint(0, 256, (M, Kx // 2), generator=gen, dtype=torch.uint8).to(triton_device)
     bc = torch.randint(0, 256, (N, Kx // 2), generator=gen, dtype=torch.uint8).to(triton_device)
@@ -111,12 +122,12 @@ def test_pair_strided_inputs_and_e8m0(triton_device, gen):
     for dt in (torch.bfloat16, torch.float32):
         kw = dict(block=32, scale_format="e8m0", dtype=dt, block_m=16, block_k=32)
         da, db = dequantize_fp4_blockwise_pair_triton(ac, sa, bc, sb, **kw)
-        assert same_bits(da, dequantize_fp4_blockwise_triton(ac, sa, **kw))
-        assert same_bits(db, dequantize_fp4_blockwise_triton(bc, sb, **kw))
+        assert same_bits(da, dequant_ref(ac, sa, 32, "e8m0", dt))
+        assert same_bits(db, dequant_ref(bc, sb, 32, "e8m0", dt))
 
 
 class _CountLaunches:
-    """Stands in for a Triton kernel object in kernels.nvfp4.gemm: counts ``kernel[grid]`` launches."""
+    """Stands in for a Triton kernel object in kernels.fp4_gemm: counts ``kernel[grid]`` launches."""
 
     def __init__(self, kernel):
         self.kernel, self.n = kernel, 0
@@ -129,27 +140,25 @@ class _CountLaunches:
 @pytest.mark.triton
 @pytest.mark.parametrize("engine", ["cublas", "triton"])
 def test_predequant_gemm_one_dequant_launch(triton_device, gen, monkeypatch, engine):
-    """One GEMM of the pre-dequantized design launches the pair kernel once and the single kernel never; its
-    result is the same bits as the GEMM over two single dequantize launches."""
+    """One GEMM launches the pair kernel once; its result is the same bits as the engine's GEMM over the
+    reference's dequantized operands."""
     M, N, K = 37, 48, 16 * 7
     a = on(random_operand(gen, M, K), triton_device)
     b = on(random_operand(gen, N, K, block_2d=True), triton_device)
     dt = torch.bfloat16 if engine == "cublas" else torch.float16
     kw = dict(block=16, scale_format="e4m3", dtype=dt)
-    da = dequantize_fp4_blockwise_triton(a.codes, a.scales, **kw)
-    db = dequantize_fp4_blockwise_triton(b.codes, b.scales, **kw)
-    pair = _CountLaunches(gemm._dequant_pair_kernel)
-    single = _CountLaunches(gemm._dequant_kernel)
-    monkeypatch.setattr(gemm, "_dequant_pair_kernel", pair)
-    monkeypatch.setattr(gemm, "_dequant_kernel", single)
+    da = dequant_ref(a.codes, a.scales, **kw).to(triton_device)
+    db = dequant_ref(b.codes, b.scales, **kw).to(triton_device)
+    pair = _CountLaunches(fp4_gemm._dequant_pair_kernel)
+    monkeypatch.setattr(fp4_gemm, "_dequant_pair_kernel", pair)
     for out_dtype in (torch.float32, torch.bfloat16):
         got = nvfp4_gemm_predequant(a, b, out_dtype, engine=engine)
         if engine == "cublas":
             want = gemm_alpha_cublas(da, db, None, out_dtype, amax=(a.amax, b.amax))
         else:
-            want = gemm_alpha_triton(da, db, gemm._alpha(a, b), out_dtype)
+            want = gemm_alpha_triton(da, db, _alpha(a, b), out_dtype)
         assert same_bits(got, want), f"{engine} {out_dtype}"
-    assert (pair.n, single.n) == (2, 0)
+    assert pair.n == 2
 
 
 def test_pair_argument_checks():

@@ -1,8 +1,9 @@
-"""The NVFP4 Triton GEMMs (fused dequant, and the pre-dequantized design) against the reference.
+"""The NVFP4 GEMM on Hopper (both operands dequantized once, then the Triton or the cuBLAS engine) against the
+reference.
 
 Runs under TRITON_INTERPRET=1 on CPU (``make test``) and natively on CUDA (``make test-gpu``). Under the
-interpreter the variants run the GPU kernel's code with the fp16 dot (right in the interpreter) or the fp32
-dot; the bf16 dot only on the GPU (the interpreter multiplies raw bf16 bits).
+interpreter the variants run the GPU kernels' code with the fp16 dot (right in the interpreter) or the fp32
+dot; the bf16 dot of the Triton engine only on the GPU (the interpreter multiplies raw bf16 bits).
 
 Two kinds of checks:
 * EXACT: inputs whose partial sums are all exactly representable in fp32, so every summation order gives
@@ -17,13 +18,8 @@ import torch
 
 from kernels.fp4_reference import pack_nibbles
 from kernels.nvfp4 import nvfp4_gemm, nvfp4_gemm_ref, quantize_nvfp4_ref
-from kernels.nvfp4.gemm import (
-    GemmConfig,
-    dequantize_nvfp4_blockwise_triton,
-    gemm_alpha_triton,
-    nvfp4_gemm_predequant,
-    nvfp4_gemm_triton,
-)
+from kernels.fp4_gemm import GemmConfig, dequantize_fp4_blockwise_pair_triton, gemm_alpha_triton
+from kernels.nvfp4.gemm import nvfp4_gemm_predequant
 from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha
 
 pytestmark = pytest.mark.triton
@@ -37,18 +33,14 @@ def e4m3_pow2(j: int) -> int:
 
 
 def variants(device: str) -> list[dict]:
-    """Every code path; 'predequant' selects nvfp4_gemm_predequant."""
-    v = [dict(), dict(split_nibbles=True), dict(fold_pow2=True), dict(predequant=True)]
-    v += [dict(dot_dtype="bf16"), dict(dot_dtype="bf16", split_nibbles=True), dict(predequant=True, dot_dtype="bf16")] \
-        if device == "cuda" else [dict(dot_dtype="fp32")]
+    """Every code path: both engines, each operand dtype they take (kwargs of nvfp4_gemm_predequant)."""
+    v = [dict(engine="triton"), dict(engine="cublas"), dict(engine="cublas", dot_dtype="fp16")]
+    v += [dict(engine="triton", dot_dtype="bf16")] if device == "cuda" else [dict(engine="triton", dot_dtype="fp32")]
     return v
 
 
 def run(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, kw: dict) -> torch.Tensor:
-    kw = dict(kw)
-    if kw.pop("predequant", False):
-        return nvfp4_gemm_predequant(a, b, out_dtype, **kw)
-    return nvfp4_gemm_triton(a, b, out_dtype, **kw)
+    return nvfp4_gemm_predequant(a, b, out_dtype, **kw)
 
 
 def make(codes: torch.Tensor, scale_bytes: torch.Tensor, amax: float, device: str) -> NVFP4Tensor:
@@ -125,8 +117,9 @@ def test_exact_partial_sums(triton_device, gen, out_dtype):
     ref = nvfp4_gemm_ref(to_cpu(a), to_cpu(b), out_dtype)
     for kw in variants(triton_device):
         assert_bitwise(run(a, b, out_dtype, kw), ref, f"variant {kw}")
-    # the public entry point dispatches to the kernel
-    assert_bitwise(nvfp4_gemm(a, b, out_dtype), ref, "nvfp4_gemm")
+    # the public entry point dispatches to the kernels, whatever the engine
+    for engine in ("cublas", "triton", "auto"):
+        assert_bitwise(nvfp4_gemm(a, b, out_dtype, engine=engine), ref, f"nvfp4_gemm {engine}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -198,8 +191,9 @@ def test_odd_tiny_shapes(triton_device, gen):
         a = on(random_operand(gen, M, K), triton_device)
         b = on(random_operand(gen, N, K), triton_device)
         c64, bound = error_bound(a, b, triton_device)
-        c = nvfp4_gemm_triton(a, b, torch.float32).cpu().double()
-        assert c.shape == (M, N) and ((c - c64).abs() <= bound).all()
+        for kw in variants(triton_device)[:2]:
+            c = run(a, b, torch.float32, kw).cpu().double()
+            assert c.shape == (M, N) and ((c - c64).abs() <= bound).all(), kw
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -212,21 +206,18 @@ def test_alpha_is_read_from_device_amax(triton_device, gen):
     of two moves through fl(acc * alpha) exactly), and on CUDA the call makes no host sync."""
     a = on(random_operand(gen, 40, 64), triton_device)
     b = on(random_operand(gen, 24, 64), triton_device)
-    c1 = nvfp4_gemm_triton(a, b, torch.float32)
-    nvfp4_gemm_predequant(a, b, torch.float32)  # compile outside the sync check
     a2 = NVFP4Tensor(codes=a.codes, scales=a.scales, amax=a.amax * 2)
-    if triton_device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
-    try:
-        c2 = nvfp4_gemm_triton(a2, b, torch.float32)
-        c3 = nvfp4_gemm_predequant(a2, b, torch.float32)
-    finally:
+    for engine in ("triton", "cublas"):
+        c1 = nvfp4_gemm_predequant(a, b, torch.float32, engine=engine)  # compiles outside the sync check
         if triton_device == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
-    assert_bitwise(c2, c1 * 2)
-    c64, bound = error_bound(a2, b, triton_device)
-    assert ((c3.cpu().double() - c64).abs() <= bound).all()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
+        try:
+            c2 = nvfp4_gemm_predequant(a2, b, torch.float32, engine=engine)
+        finally:
+            if triton_device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        assert_bitwise(c2, c1 * 2, engine)
 
 
 def test_nan_scale_and_nan_amax_propagate(triton_device, gen):
@@ -244,7 +235,8 @@ def test_nan_scale_and_nan_amax_propagate(triton_device, gen):
         c64, bound = error_bound(a, b, triton_device)
         assert ((c[keep].double() - c64[keep]).abs() <= bound[keep]).all()
     nan_a = NVFP4Tensor(codes=ad.codes, scales=ad.scales, amax=torch.full_like(ad.amax, float("nan")))
-    assert torch.isnan(nvfp4_gemm_triton(nan_a, bd, torch.bfloat16)).all()
+    for kw in variants(triton_device)[:2]:
+        assert torch.isnan(run(nan_a, bd, torch.bfloat16, kw)).all(), kw
 
 
 def test_bad_inputs_raise(triton_device):
@@ -254,27 +246,28 @@ def test_bad_inputs_raise(triton_device):
                            .view(torch.float8_e4m3fn),
                            amax=torch.ones((), device=triton_device))
 
-    with pytest.raises(ValueError, match="multiple of the scale block 16"):
-        nvfp4_gemm_triton(q(4, 24), q(5, 24))
-    with pytest.raises(ValueError, match="multiple of 16"):
-        nvfp4_gemm_predequant(q(4, 24), q(5, 24))
-    with pytest.raises(ValueError, match="reduction dims differ"):
-        nvfp4_gemm_triton(q(4, 32), q(5, 48))
-    with pytest.raises(TypeError, match="out_dtype"):
-        nvfp4_gemm_triton(q(4, 32), q(5, 32), torch.float16)
+    for engine in ("triton", "cublas"):
+        with pytest.raises(ValueError, match="multiple of the scale block 16"):
+            nvfp4_gemm_predequant(q(4, 24), q(5, 24), engine=engine)
+        with pytest.raises(ValueError, match="reduction dims differ"):
+            nvfp4_gemm_predequant(q(4, 32), q(5, 48), engine=engine)
+        with pytest.raises(TypeError, match="out_dtype"):
+            nvfp4_gemm_predequant(q(4, 32), q(5, 32), torch.float16, engine=engine)
+        # M = 0: an empty result
+        assert nvfp4_gemm_predequant(q(0, 32), q(5, 32), engine=engine).shape == (0, 5)
     with pytest.raises(ValueError, match="dot_dtype"):
-        nvfp4_gemm_triton(q(4, 32), q(5, 32), dot_dtype="fp8")
+        nvfp4_gemm_predequant(q(4, 32), q(5, 32), dot_dtype="fp8")
     with pytest.raises(ValueError, match="block_k"):
-        nvfp4_gemm_triton(q(4, 32), q(5, 32), config=GemmConfig(32, 32, 24, 4, 1))
+        nvfp4_gemm_predequant(q(4, 32), q(5, 32), config=GemmConfig(32, 32, 24, 4, 1))
     if triton_device == "cpu":
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-            nvfp4_gemm_triton(q(4, 32), q(5, 32), dot_dtype="bf16")
-    # M = 0: an empty result, no launch
-    assert nvfp4_gemm_triton(q(0, 32), q(5, 32)).shape == (0, 5)
+            nvfp4_gemm_predequant(q(4, 32), q(5, 32), dot_dtype="bf16")
+    with pytest.raises(ValueError, match=r"GEMM engine 'cuBLAS' is not one of"):
+        nvfp4_gemm(q(4, 32), q(5, 32), engine="cuBLAS")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the pre-dequantized design's pieces
+# the pieces: the pair dequantize and the 16-bit GEMM
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -285,9 +278,11 @@ def test_dequantize_blockwise_exact(triton_device, gen):
     q = make(codes, sc, 1.0, triton_device)
     ref = _blockwise_values(to_cpu(q))
     for dt in (torch.float16, torch.bfloat16, torch.float32):
-        got = dequantize_nvfp4_blockwise_triton(q, dt).cpu()
-        assert got.dtype == dt
-        assert_bitwise(got.float(), ref)
+        ga, gb = dequantize_fp4_blockwise_pair_triton(q.codes, q.scales, q.codes[:100], q.scales[:100], block=16,
+                                                      scale_format="e4m3", dtype=dt)
+        assert ga.dtype == gb.dtype == dt and ga.shape == (256, 48) and gb.shape == (100, 48)
+        assert_bitwise(ga.cpu().float(), ref)
+        assert_bitwise(gb.cpu().float(), ref[:100])
 
 
 def test_gemm_alpha_16bit(triton_device, gen):
@@ -311,16 +306,16 @@ def test_gemm_alpha_16bit(triton_device, gen):
 
 def test_bits_independent_of_config_gpu(triton_device, gen):
     """On the GPU a [BM, BK] x [BK, BN] tile dot issues its K=16 tensor-core steps in increasing k into one
-    accumulator, so every config (and the pre-dequantized design) should give the same bits for the same dot
-    dtype. If this fails, results depend on the config table and it must be frozen per shape."""
+    accumulator, so every config of the Triton engine should give the same bits for the same dot dtype. If
+    this fails, results depend on the config table and it must be frozen per shape."""
     if triton_device != "cuda":
         pytest.skip("summation order is the GPU's; the interpreter sums each tile dot with numpy")
     M, N, K = 513, 767, 16 * 97
     a = on(random_operand(gen, M, K), triton_device)
     b = on(random_operand(gen, N, K), triton_device)
     for dot in ("fp16", "bf16"):
-        base = nvfp4_gemm_triton(a, b, torch.float32, dot_dtype=dot, config=GemmConfig(64, 64, 64, 4, 2))
-        outs = [nvfp4_gemm_triton(a, b, torch.float32, dot_dtype=dot, config=cfg) for cfg in (
+        base = nvfp4_gemm_predequant(a, b, torch.float32, dot_dtype=dot, config=GemmConfig(64, 64, 64, 4, 2))
+        outs = [nvfp4_gemm_predequant(a, b, torch.float32, dot_dtype=dot, config=cfg) for cfg in (
             GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 128, 8, 3), GemmConfig(64, 128, 256, 4, 2))]
         outs.append(nvfp4_gemm_predequant(a, b, torch.float32, dot_dtype=dot))
         for o in outs:

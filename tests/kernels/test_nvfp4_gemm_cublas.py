@@ -1,6 +1,6 @@
-"""The "cublas" engine of the pre-dequantized NVFP4 GEMM (kernels/nvfp4/gemm.py): cuBLAS with fp32 output
+"""The "cublas" engine of the NVFP4 GEMM on Hopper (kernels/fp4_gemm.py): cuBLAS with fp32 output
 (on CPU under TRITON_INTERPRET=1: ``a.float() @ b.float().t()``), then the Triton alpha pass
-``scale_alpha_triton``; and the engine switches (``engine=``, ``$NVFP4_GEMM_ENGINE``).
+``scale_alpha_triton``; and the engine choice (``engine=``, the run's ``precision.gemm_engine``).
 
 Tiers: ``triton`` tests run under the interpreter on CPU (``make test``) and natively on CUDA (``make
 test-gpu``); ``gpu`` tests need CUDA; the unmarked ones (argument and environment errors) launch nothing.
@@ -12,16 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.nvfp4 import GEMM_ENGINE_ENV, gemm_engine, nvfp4_gemm, nvfp4_gemm_ref
-from kernels.nvfp4.gemm import (
-    GEMM_ENGINES,
+from kernels.fp4_gemm import (
     GemmConfig,
-    dequantize_nvfp4_blockwise_triton,
+    dequantize_fp4_blockwise_pair_triton,
     gemm_alpha_cublas,
-    nvfp4_gemm_predequant,
     predequant_fp4_gemm,
     scale_alpha_triton,
 )
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, resolve_gemm_engine
+from kernels.nvfp4 import nvfp4_gemm, nvfp4_gemm_ref
+from kernels.nvfp4.gemm import nvfp4_gemm_predequant
 from kernels.nvfp4.reference import NVFP4Tensor
 from tests.kernels.test_nvfp4_gemm import (
     assert_bitwise,
@@ -250,22 +250,24 @@ def test_gemm_alpha_cublas_exact_dyadic(triton_device, gen):
 
 
 @pytest.mark.triton
-def test_public_entry_point_follows_env(triton_device, gen, monkeypatch):
-    """nvfp4_gemm reads NVFP4_GEMM_ENGINE at call time; on exact-sum inputs every engine gives the reference."""
+def test_public_entry_point_engines(triton_device, gen):
+    """nvfp4_gemm runs the engine it is given; on exact-sum inputs every engine gives the reference ("native"
+    and "auto" only where the device has no native FP4 GEMM: the Hopper default then)."""
     a, b = exact_sum_operands(gen, 21, 19, 16 * 5, triton_device)
     ref = nvfp4_gemm_ref(to_cpu(a), to_cpu(b), torch.bfloat16)
+    dev = torch.device(triton_device)
     for engine in GEMM_ENGINES:
-        monkeypatch.setenv(GEMM_ENGINE_ENV, engine)
-        assert_bitwise(nvfp4_gemm(a, b, torch.bfloat16), ref, engine)
-    monkeypatch.setenv(GEMM_ENGINE_ENV, "cuBLAS")
-    with pytest.raises(ValueError, match=GEMM_ENGINE_ENV):
-        nvfp4_gemm(a, b)
+        if resolve_gemm_engine(engine, dev) == "native":
+            continue
+        assert_bitwise(nvfp4_gemm(a, b, torch.bfloat16, engine=engine), ref, engine)
+    with pytest.raises(ValueError, match="GEMM engine 'cuBLAS' is not one of"):
+        nvfp4_gemm(a, b, engine="cuBLAS")
 
 
 @pytest.mark.triton
 def test_mxfp4_default_engine_unchanged(triton_device, gen):
-    """The MXFP4 GEMM's pre-dequantized path still runs (default engine) and gives the same bits as the
-    cublas engine on an exact input (E8M0 scales 2^0: values are e2m1, partial sums exact)."""
+    """The MXFP4 GEMM (the Triton 16-bit GEMM) gives the same bits as the cublas engine of the shared GEMM on
+    an exact input (E8M0 scales 2^0: values are e2m1, partial sums exact)."""
     from kernels.mxfp4.gemm import MX_BLOCK, mxfp4_gemm_triton
 
     class Q:
@@ -280,7 +282,7 @@ def test_mxfp4_default_engine_unchanged(triton_device, gen):
     qb = Q(pack_nibbles(torch.randint(0, 16, (N, K), generator=gen)).to(triton_device),
            torch.full((N, K // MX_BLOCK), 127, dtype=torch.uint8, device=triton_device))
     dot = "fp32" if triton_device == "cpu" else "bf16"
-    base = mxfp4_gemm_triton(qa, qb, torch.float32, dot_dtype=dot, predequant=True)
+    base = mxfp4_gemm_triton(qa, qb, torch.float32, dot_dtype=dot)
     cub = predequant_fp4_gemm(qa.codes, qa.scales, qb.codes, qb.scales, block=MX_BLOCK, scale_format="e8m0",
                               alpha=None, out_dtype=torch.float32, dot_dtype=None, fmt_name="MXFP4",
                               engine="cublas")
@@ -314,8 +316,8 @@ def test_cublas_engine_exact_at_large_k_gpu(gen, shape):
             assert_bitwise(nvfp4_gemm_predequant(a, b, torch.float32, engine="cublas", dot_dtype=dot), ref32, dot)
             assert_bitwise(nvfp4_gemm_predequant(a, b, torch.bfloat16, engine="cublas", dot_dtype=dot), ref16, dot)
         # the raw accumulator itself (no alpha): the exact sum of the dequantized products
-        da = dequantize_nvfp4_blockwise_triton(a, torch.bfloat16)
-        db = dequantize_nvfp4_blockwise_triton(b, torch.bfloat16)
+        da, db = dequantize_fp4_blockwise_pair_triton(a.codes, a.scales, b.codes, b.scales, block=16,
+                                                      scale_format="e4m3", dtype=torch.bfloat16)
         acc = gemm_alpha_cublas(da, db, None, torch.float32)
         exact = (da.double() @ db.double().t())
         assert torch.equal(acc.double(), exact)
@@ -346,9 +348,9 @@ def _q(m, k):
 
 def test_invalid_engine_raises():
     for bad in ("cuBLAS", "torch", "", None):
-        with pytest.raises(ValueError, match=r"one of \('triton', 'cublas'\)"):
+        with pytest.raises(ValueError, match=r"one of \('cublas', 'triton'\)"):
             nvfp4_gemm_predequant(_q(4, 32), _q(5, 32), engine=bad)
-        with pytest.raises(ValueError, match="triton.*cublas"):
+        with pytest.raises(ValueError, match="cublas.*triton"):
             predequant_fp4_gemm(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8),
                                 torch.zeros(5, 16, dtype=torch.uint8), torch.zeros(5, 1, dtype=torch.uint8),
                                 block=32, scale_format="e8m0", alpha=None, out_dtype=torch.bfloat16,
@@ -380,18 +382,11 @@ def test_gemm_alpha_cublas_argument_checks():
         scale_alpha_triton(torch.zeros(4, 6).t(), torch.ones(1), torch.float32)
 
 
-def test_env_engine(monkeypatch):
-    monkeypatch.delenv(GEMM_ENGINE_ENV, raising=False)
-    assert gemm_engine() == "cublas"  # the default (measured faster on the H200)
-    monkeypatch.setenv(GEMM_ENGINE_ENV, "")
-    assert gemm_engine() == "cublas"
-    for v in GEMM_ENGINES:
-        monkeypatch.setenv(GEMM_ENGINE_ENV, v)
-        assert gemm_engine() == v
-    for bad in ("CUBLAS", "torch", " triton"):
-        monkeypatch.setenv(GEMM_ENGINE_ENV, bad)
-        with pytest.raises(ValueError, match=rf"{GEMM_ENGINE_ENV}=.*one of \('triton', 'cublas'\)"):
-            gemm_engine()
+def test_engine_names_and_resolution():
+    assert DEFAULT_GEMM_ENGINE == "cublas"  # the default (measured faster on the H200)
+    cpu = torch.device("cpu")
+    assert [resolve_gemm_engine(e, cpu) for e in GEMM_ENGINES] == ["cublas", "triton", "cublas", "cublas"]
+    for bad in ("CUBLAS", "torch", " triton", "", None):
         # nvfp4_gemm validates on every call, on the reference path (CPU, no interpreter) too
-        with pytest.raises(ValueError, match=GEMM_ENGINE_ENV):
-            nvfp4_gemm(_q(4, 32), _q(5, 32))
+        with pytest.raises(ValueError, match=r"is not one of \('cublas', 'triton', 'native', 'auto'\)"):
+            nvfp4_gemm(_q(4, 32), _q(5, 32), engine=bad)

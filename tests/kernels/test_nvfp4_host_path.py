@@ -49,7 +49,7 @@ def triton_interpret() -> bool:
 
 
 def test_cdiv_is_tritons():
-    from kernels.nvfp4.quantize import cdiv
+    from kernels.fp4_triton import cdiv
 
     for a in (0, 1, 15, 16, 17, 127, 128, 129, 20480 + 16):
         for b in (1, 16, 64, 128, 4096):
@@ -82,7 +82,7 @@ def test_given_amax_pair_is_read_in_place(triton_device, gen, col_rht, monkeypat
 
 
 def test_device_scalar_passes_fp32_scalars_through(triton_device):
-    from kernels.nvfp4.gemm import _device_scalar
+    from kernels.fp4_gemm import _device_scalar
 
     t = torch.tensor(0.375, device=triton_device)
     assert _device_scalar(t, t.device, "alpha") is t

@@ -1,4 +1,4 @@
-"""The lean E2M1 code functions of the "grouped_lean" quantizer design (``kernels/fp4_triton.py``) against the
+"""The E2M1 code functions of the NVFP4 quantize kernel (``kernels/fp4_triton.py``) against the
 reference rounding, bit for bit, on the values where rounding can go wrong: every tie and the few ulps around
 it, the subnormals, both zeros, saturation, +-Inf.
 

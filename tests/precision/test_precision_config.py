@@ -45,7 +45,7 @@ def test_gemm_engine_reaches_every_quantized_recipe(engine):
     cfg = compose_config("table", ["model=12b", f"precision.gemm_engine={engine}",
                                    "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
     m = cfg.precision.layer_map(cfg.model.pattern)
-    for r in m.recipes().values():
+    for r in m.recipes.values():
         assert r.gemm_engine == (engine if not r.is_bf16 else "cublas"), r.name
 
 

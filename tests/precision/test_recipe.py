@@ -133,6 +133,15 @@ def test_each_ablation(tag):
     assert r.weight_shared_fprop_dgrad is shared
 
 
+def test_gemm_engine_default_and_check():
+    from kernels.gemm_engine import DEFAULT_GEMM_ENGINE as KERNELS_DEFAULT
+
+    assert named_recipe("nvfp4").gemm_engine == KERNELS_DEFAULT
+    assert named_recipe("nvfp4").replace(gemm_engine="triton").gemm_engine == "triton"
+    with pytest.raises(ValueError, match="GEMM engine 'cuBLAS' is not one of"):
+        named_recipe("nvfp4").replace(gemm_engine="cuBLAS")
+
+
 def test_ablation_cases_are_the_vocabulary():
     """Every recipe-changing name of ABLATIONS is a case above, with that one switch set."""
     assert set(ABLATION_CASES) == set(ABLATIONS) - {"all_blocks"}
