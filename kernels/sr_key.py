@@ -3,14 +3,14 @@ key the quantize kernels mix into every element counter (``docs/numerics.md``, "
 
     key = sr_key(layer_stream(block_seed(run_seed, block, slot), layer_name), call, operand)
 
-    stage                              computed                    arithmetic (uint32: every step mod 2**32)
-    block_seed(run_seed, block, slot)  once, when the model is built  (run_seed * 1_000_003 + block * 16 + slot) mod 2**31
-    layer_stream(seed, layer_name)     once, when the layer is built  seed * 0x9E3779B1 + crc32(layer_name)
-    call_seed(stream, call)            every forward, call = 1, 2, ...  stream * 1_000_003 + call * 7_919
-    operand_seed(call_seed, operand)   every cast                  2 * call_seed + operand  (``OPERANDS``)
-    seed_key(operand_seed)             the kernels' entry          lowbias32(operand_seed ^ 0x9E3779B9)
+    stage                              computed                       arithmetic (uint32: every step mod 2**32)
+    block_seed(run_seed, block, slot)  once, at model build           (run_seed*1_000_003 + block*16 + slot) mod 2**31
+    layer_stream(seed, layer_name)     once, at layer build           seed * 0x9E3779B1 + crc32(layer_name)
+    call_seed(stream, call)            every forward (call 1, 2, ...) stream * 1_000_003 + call * 7_919
+    operand_seed(call_seed, operand)   every cast                     2 * call_seed + operand  (``OPERANDS``)
+    seed_key(operand_seed)             the kernels' entry             lowbias32(operand_seed ^ 0x9E3779B9)
 
-``block` is the GLOBAL block index, ``slot`` the linear layer's place in its block (``ROLE_SLOTS``). A layer
+``block`` is the GLOBAL block index, ``slot`` the linear layer's place in its block (``ROLE_SLOTS``). A layer
 built on its own (not by the model) takes its ``seed`` directly as the input of ``layer_stream``. The two
 build-time stages are host constants of a layer (the CRC of its name never runs on the device); everything a
 step computes is ``sr_key(stream, call, operand)``: integer multiplies, adds, shifts and xors on uint32, which

@@ -23,7 +23,7 @@ then the totals over the six shapes and the targets: nvfp4 <= 1.3x bf16 time, fp
 <= 0.3x. By default the weight is re-quantized in every iteration (one micro-batch per optimizer step: the
 worst case); ``--reuse-weight`` keeps the cached copies (many micro-batches per step).
 
-``--gemm-engine triton cublas`` measures the nvfp4 recipe once per engine of its GEMM (kernels/nvfp4/gemm.py:
+``--gemm-engine triton cublas`` measures the nvfp4 recipe once per engine of its GEMM (kernels/fp4_gemm.py:
 the Triton 16-bit GEMM with the alpha epilogue, or cuBLAS with fp32 output + a Triton alpha pass), in the same
 run, by giving the recipe each engine (``precision.gemm_engine``); the "GEMM engine" column says which engine
 each nvfp4 row used (default: only the default engine, "cublas"). With more than one
@@ -113,7 +113,8 @@ def build_layer(kind: str, k: int, n: int, recipe_name: str, device: torch.devic
     cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=1, use_cpu_initialization=True,
                             perform_initialization=False, params_dtype=torch.bfloat16, bf16=True)
     common = dict(config=cfg, init_method=torch.nn.init.zeros_, bias=False, skip_bias_add=False,
-                  recipe=named_recipe(recipe_name).replace(gemm_engine=gemm_engine), layer_name=f"bench.{kind}", seed=seed)
+                  recipe=named_recipe(recipe_name).replace(gemm_engine=gemm_engine), layer_name=f"bench.{kind}",
+                  seed=seed)
     if kind == "column":
         layer = QuantColumnParallelLinear(k, n, gather_output=False, **common)
     else:

@@ -73,7 +73,7 @@ def test_convergence_dry_run_lists_every_run():
     lines = [line for line in p.stdout.splitlines() if "train.py" in line]
     assert len(lines) == 8
     assert all("schedule.train_steps=7" in line and "model=tiny" in line for line in lines)
-    assert any("precision.ablations.rht=false" in line for line in lines)
+    assert any("precision=nvfp4_no_rht" in line for line in lines)  # the named precision configs
 
 
 def test_convergence_seeds_name_runs_and_share_one_data_order():

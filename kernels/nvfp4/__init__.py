@@ -10,7 +10,7 @@ the pure-PyTorch reference otherwise; both give the same bits):
     nvfp4_gemm(a, b, out_dtype=torch.bfloat16, engine="cublas")   # C[M, N] = A[M, K] . B[N, K]^T
 
 ``engine`` (the run's ``precision.gemm_engine``, ``kernels/gemm_engine.py``): "cublas" or "triton" (the two
-Hopper engines of ``kernels/nvfp4/gemm.py``), "native" (the FP4 tensor-core GEMM of sm_100+,
+Hopper engines of ``kernels/fp4_gemm.py``), "native" (the FP4 tensor-core GEMM of sm_100+,
 ``kernels/nvfp4/native.py``) or "auto" (native where the device supports it, else "cublas"). On the reference
 path (CPU without ``TRITON_INTERPRET=1``) every engine gives the reference's result.
 

@@ -44,8 +44,8 @@ def test_bench_linear_two_engines(tmp_path):
     assert set(res["totals"]) == {"bf16", "nvfp4 [triton]", "nvfp4 [cublas]"}
 
 
-def test_bench_linear_bad_engine_env():
+def test_bench_linear_bad_engine():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_linear.py"), "--quick", "--recipes", "nvfp4",
-                           "--shapes", "mlp.fc1"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**ENV, "NVFP4_GEMM_ENGINE": "cuBLAS"})
-    assert proc.returncode != 0 and "NVFP4_GEMM_ENGINE='cuBLAS'" in proc.stderr
+                           "--shapes", "mlp.fc1", "--gemm-engine", "cuBLAS"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=ENV)
+    assert proc.returncode != 0 and "invalid choice: 'cuBLAS'" in proc.stderr

@@ -84,7 +84,8 @@ def test_nvfp4_gemm_operands_are_recipe_section_3(gen, monkeypatch):
     assert torch.equal(gw, nvfp4_gemm_ref(wa.data, wb.data, torch.bfloat16))
 
 
-@pytest.mark.parametrize("engine", ["cublas", "triton", "native", "auto"])
+# ids: a bare id "triton" would mark the test a Triton one (tests/conftest.py reads the keywords)
+@pytest.mark.parametrize("engine", ["cublas", "triton", "native", "auto"], ids=lambda e: f"engine_{e}")
 def test_recipe_gemm_engine_reaches_every_gemm(gen, monkeypatch, engine):
     """The recipe's gemm_engine is passed to the three GEMMs; on the reference path (CPU) it does not change
     the result."""

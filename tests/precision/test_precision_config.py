@@ -40,7 +40,8 @@ def test_each_named_ablation_config(tag):
     assert cfg.precision.ablations == Ablations()
 
 
-@pytest.mark.parametrize("engine", ["cublas", "triton", "native", "auto"])
+# ids: a bare id "triton" would mark the test a Triton one (tests/conftest.py reads the keywords)
+@pytest.mark.parametrize("engine", ["cublas", "triton", "native", "auto"], ids=lambda e: f"engine_{e}")
 def test_gemm_engine_reaches_every_quantized_recipe(engine):
     cfg = compose_config("table", ["model=12b", f"precision.gemm_engine={engine}",
                                    "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
