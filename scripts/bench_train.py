@@ -50,7 +50,7 @@ stochastic-rounding keys and the non-finite check's clock, host integers given t
 capture. A capture error is recorded under ``"cuda_graph"`` and the eager numbers are kept. With ``--cuda-graph``
 each case runs entirely on one side stream (model, megatron's DDP, eager steps, capture): DDP keeps each
 parameter's AccumulateGrad node from its construction, and a capture on another stream than theirs is invalidated
-(seen on the H200 in session 8). Measured on the H200: ``docs/benchmarks.md``, "Training step", session 8.
+(seen on the H200 on 2026-11-30). Measured on the H200: ``docs/benchmarks.md``, "Training step".
 
 ``--sync-debug``: after the above (the profiled step included), each case and recipe runs ONE more full training
 step with ``torch.cuda.set_sync_debug_mode("warn")`` (the previous mode restored afterwards, also on error) and
@@ -481,7 +481,7 @@ def graph_steps(zero: Callable[[], None], fwd_bwd: Callable[[], None], rest: Cal
     stream = torch.cuda.current_stream()
     if stream == torch.cuda.default_stream():
         # megatron's DDP keeps each parameter's AccumulateGrad node from its construction; a capture on another
-        # stream than the one those nodes were made on is invalidated (session 8, H200): build, warm up and
+        # stream than the one those nodes were made on is invalidated (H200, 2026-11-30): build, warm up and
         # capture on one side stream (``main`` runs a --cuda-graph case under one)
         raise RuntimeError("--cuda-graph: run the case under a side stream (torch.cuda.stream), not the default")
     for _ in range(2):

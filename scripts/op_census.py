@@ -17,7 +17,7 @@ CPU and GPU take different paths in a few places, so counts there do not carry o
 the SSD scan (models/mamba/ssd.py on CPU, mamba-ssm's Triton kernels and their Python wrappers on GPU), the
 gated RMSNorm (rmsnorm_gated_ref vs Triton) and the optimizer's Adam update (per-tensor on CPU, _foreach
 multi_tensor_apply kernels on GPU). The causal conv1d runs causal_conv1d_ref on both when the causal-conv1d
-extension is absent (as on the H200 of session 6). Counts per step do not depend on the sizes, provided the
+extension is absent (as on the H200 before 2026-11-29's causal-conv1d build). Counts per step do not depend on the sizes, provided the
 micro-batch is at least 2 (a batch of 1 makes some transposes contiguous, which drops copies); element
 counts scale with micro_batch * seq (the GPU benchmark runs 8 * 2048).
 
@@ -161,8 +161,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=50, help="rows to print (most elements * launches first)")
     ap.add_argument("--ops", nargs="*", help="only these aten ops, e.g. mul copy_ _to_copy cat")
     ap.add_argument("--composite-norm", action="store_true",
-                    help="the blocks' RMSNorm as models.layers.rms_norm_composite (the code the session-6 H200 "
-                         "profile ran) instead of F.rms_norm; only for this census")
+                    help="the blocks' RMSNorm as models.layers.rms_norm_composite (the code the H200 "
+                         "profile of 2026-11-29 ran) instead of F.rms_norm; only for this census")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.composite_norm:

@@ -56,7 +56,7 @@ def test_union_length(intervals, length):
     ("multi_tensor_apply_kernel<AdamFunctor>", "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "nccl"),
     ("elementwise_kernel<128, 4>", "norm/elementwise/other"),
-    # PyTorch's own kernel names are full of "lambda": not the LAMB optimizer (seen on the H200, session 6)
+    # PyTorch's own kernel names are full of "lambda": not the LAMB optimizer (seen on the H200, 2026-11-29)
     ("elementwise_kernel<128, 2, gpu_kernel_impl_nocast<BinaryFunctor<float, MulFunctor<float> > >"
      "::{lambda(int)#1}>", "norm/elementwise/other"),
     ("multi_tensor_apply_kernel<lamb_stage1>", "optimizer"),

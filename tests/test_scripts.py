@@ -1,4 +1,4 @@
-"""Smoke tests of the GPU scripts' CPU modes, so they do not rot between GPU sessions."""
+"""Smoke tests of the GPU scripts' CPU modes, so they do not rot between GPU runs."""
 
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
 # The engine of the pre-dequantized GEMM that nvfp4_gemm runs (kernels/nvfp4/gemm.py: GEMM_ENGINES), read
 # from the environment at every call: "triton" (the Triton 16-bit GEMM with the alpha epilogue) or "cublas"
 # (cuBLAS with fp32 output, then a Triton alpha pass). Both are exact up to the fp32 summation order. The default
-# is "cublas": measured in one run on the H200 (docs/benchmarks.md, session 5) at 0.91-0.98x cuBLAS BF16 on the
+# is "cublas": measured in one run on the H200 (2026-11-29, docs/benchmarks.md) at 0.91-0.98x cuBLAS BF16 on the
 # six 12B GEMM shapes with both dequantize passes included, against 0.81-0.84x for "triton"; the NVFP4 layer
 # (fwd + bwd) at 1.31x BF16 against 1.45x.
 GEMM_ENGINE_ENV = "NVFP4_GEMM_ENGINE"

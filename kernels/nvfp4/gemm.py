@@ -62,7 +62,7 @@ the fp32 summation order of the accumulation is cuBLAS's (on the GPU the tensor 
 own K blocking and possibly split-K), which the tests allow: bit-exact on inputs whose partial sums are
 exact, within the derived bound of the float64 product otherwise. It costs one extra pass over an fp32
 [M, N] tensor (write by cuBLAS, read + write by the alpha pass) against cuBLAS's GEMM speed. Measured in
-one run on the H200 (docs/benchmarks.md, session 5): 0.91-0.98x cuBLAS BF16 on the six 12B shapes with both
+one run on the H200 (2026-11-29, docs/benchmarks.md): 0.91-0.98x cuBLAS BF16 on the six 12B shapes with both
 dequantize passes, against 0.81-0.84x for the Triton engine, so it is the default of ``kernels.nvfp4.nvfp4_gemm``
 (``scripts/bench_kernels.py`` and ``scripts/bench_linear.py --gemm-engine`` measure both). Since that
 measurement ``nvfp4_gemm_predequant(engine="cublas")`` hands the alpha pass the two amax tensors and the

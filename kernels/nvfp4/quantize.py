@@ -771,7 +771,7 @@ def _native_cvt(x: torch.Tensor) -> bool:
 # instead, a few more instructions), a fallback should a PTX step misbehave on some GPU or Triton version.
 # "grouped" and "tiled" are the earlier designs, kept so that one run can measure them side by side.
 DESIGNS = ("grouped_lean", "grouped_lean_noasm", "grouped", "tiled")
-# The default is "grouped_lean": on the H200 (session 6, docs/benchmarks.md) every kernel test and the GPU model
+# The default is "grouped_lean": on the H200 (2026-11-29, docs/benchmarks.md) every kernel test and the GPU model
 # tests passed with it as the default (fp32 input included, after the columnwise-scale fix), and it quantizes
 # with stochastic rounding 1.36-1.42x faster than "grouped" at K = 20480 (round-to-nearest: the same speed).
 # NVFP4_QUANTIZE_DESIGN=<design> overrides it for a process (read once, at import): how the GPU suite and

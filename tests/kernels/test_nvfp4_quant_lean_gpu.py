@@ -1,4 +1,4 @@
-"""GPU-only checks of the lean NVFP4 quantize designs for fp32 input (the H200 bug of session 3).
+"""GPU-only checks of the lean NVFP4 quantize designs for fp32 input (the H200 bug of 2026-11-29).
 
 On the H200 (Triton 3.6) ``grouped_lean`` and ``grouped_lean_noasm`` gave wrong COLUMNWISE codes for fp32
 input in ``test_rowcol_fused`` (all three shapes) and in one fuzz case (16x16, col_rht, col SR): the rows k of
