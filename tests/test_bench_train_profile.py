@@ -1,6 +1,7 @@
-"""Unit tests of bench_train.py's --profile arithmetic: the kernel-interval union, the categories, the summary
-and the kernel extraction, the host-blocking runtime calls (from synthetic events: the real ones need a GPU); and
-of --sync-debug's warning capture and stack grouping (fake warnings and a faked torch.cuda)."""
+"""Unit tests of the step profile's arithmetic (nvfp4_train.bench.profile, bench_train --profile): the kernel-interval
+union, the categories, the summary and the kernel extraction, the host-blocking runtime calls (from synthetic
+events: the real ones need a GPU); and of --sync-debug's warning capture and stack grouping (fake warnings and a
+faked torch.cuda)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts import bench_train
-from scripts.bench_train import (
+from nvfp4_train.bench import profile
+from nvfp4_train.bench.profile import (
     KERNEL_CATEGORIES,
     ROOT,
     cuda_kernels,
@@ -275,7 +276,7 @@ class _FakeCuda:
 
 def test_sync_debug_step(monkeypatch):
     fake = _FakeCuda()
-    monkeypatch.setattr(bench_train.torch, "cuda", fake)
+    monkeypatch.setattr(profile.torch, "cuda", fake)
 
     def step():
         assert fake.mode == "warn"
@@ -291,7 +292,7 @@ def test_sync_debug_step(monkeypatch):
 def test_sync_debug_step_restores_the_mode_on_error(monkeypatch):
     fake = _FakeCuda()
     fake.mode = 1
-    monkeypatch.setattr(bench_train.torch, "cuda", fake)
+    monkeypatch.setattr(profile.torch, "cuda", fake)
 
     def step():
         raise RuntimeError("boom")
@@ -302,5 +303,5 @@ def test_sync_debug_step_restores_the_mode_on_error(monkeypatch):
 
 
 def test_sync_debug_step_without_cuda(monkeypatch):
-    monkeypatch.setattr(bench_train.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: False)
     assert sync_debug_step(lambda: pytest.fail("must not run")) is None

@@ -80,7 +80,7 @@ def test_metrics_jsonl_records_and_last_write_wins(tmp_path):
 
 
 def test_plot_runs_writes_a_png(tmp_path):
-    from scripts.plot_runs import plot_runs
+    from nvfp4_train.experiments.plots import plot_runs
 
     for name, scale in (("base", 1.0), ("other", 1.01)):
         d = tmp_path / name
