@@ -48,14 +48,10 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from kernels.nvfp4 import (  # noqa: E402
+from kernels.nvfp4 import (
     DEFAULT_GEMM_ENGINE,
     dequantize_nvfp4_ref,
     nvfp4_gemm,
@@ -65,7 +61,7 @@ from kernels.nvfp4 import (  # noqa: E402
     quantize_nvfp4_rowcol,
     quantize_nvfp4_rowcol_ref,
 )
-from kernels.nvfp4.gemm import (  # noqa: E402
+from kernels.nvfp4.gemm import (
     CANDIDATE_CONFIGS,
     dequantize_nvfp4_blockwise_triton,
     gemm_alpha_cublas,
@@ -74,7 +70,7 @@ from kernels.nvfp4.gemm import (  # noqa: E402
     nvfp4_gemm_triton,
     scale_alpha_triton,
 )
-from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha  # noqa: E402
+from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha
 
 M_TOKENS = 8192
 # (name, K, N) of the 12B model's linear layers (docs: GPU.md's table)
