@@ -303,3 +303,18 @@ def test_plot_seeds_pairs_runs_by_seed(tmp_path):
     assert out.stat().st_size > 0
     with pytest.raises(SystemExit, match="no seeded runs of the baseline 'fp8'"):
         main(["--seeds-dir", str(tmp_path / "seeds"), "--metric", "val_loss", "--baseline", "fp8", "--out", str(out)])
+
+
+def test_no_script_or_test_imports_a_script():
+    """Scripts are command lines over the library: neither a script nor a test imports ``scripts.*`` (what both
+    need lives in an importable module, e.g. ``nvfp4_train.bench``)."""
+    import ast
+
+    offenders = []
+    for path in sorted([*ROOT.glob("scripts/*.py"), *ROOT.glob("tests/**/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                          if n == "scripts" or n.startswith("scripts.")]
+    assert not offenders, offenders
