@@ -53,7 +53,8 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
     """The ``ModuleSpec`` of global block ``block`` of ``kind``, its linear layers' recipes resolved."""
 
     def lin(kind_: str, role: str, slot: int) -> ModuleSpec:
-        return linear_spec(kind_, layer_map.recipe(block, role), f"blocks.{block}.{role}", _seed(seed, block, slot))
+        return linear_spec(kind_, layer_map.recipe(block, role), f"blocks.{block}.{role}", _seed(seed, block, slot),
+                           block=block, role=role)
 
     if kind == ATTENTION:
         attention = ModuleSpec(
