@@ -5,27 +5,56 @@
 
 Hydra's compose API (not ``@hydra.main``): no output directory per launch or rank; the run directory is
 ``experiment.run_dir`` (default ``runs/<experiment.name>``), shared by all ranks. See docs/training.md.
-Exit status: 0 done or stopped cleanly by SIGTERM/SIGUSR1 (checkpoint saved), 2 bad config, 3 diverged.
+Exit status: 0 done, or stopped cleanly by SIGTERM/SIGUSR1 (checkpoint saved; before the first step: nothing
+to save); 2 bad config (one line naming the key), or the run directory is in use by another run; 3 diverged.
 """
 
+import os
+import signal
 import sys
+
+
+class _StoppedBeforeTraining(Exception):
+    pass
+
+
+def _stop_before_training(signum, _frame):
+    raise _StoppedBeforeTraining(signum)
 
 
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    from nvfp4_train.config import compose_config
+    # until the trainer takes the stop signals over, one ends the launch with a message (nothing to save)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _stop_before_training)
+    try:
+        return _run(argv)
+    except _StoppedBeforeTraining as e:
+        print(f"train.py: stopped by signal {signal.Signals(e.args[0]).name} before training started "
+              f"(nothing to save)", file=sys.stderr)
+        return 0
 
+
+def _run(argv: list[str]) -> int:
+    from nvfp4_train.config import compose_config
+    from nvfp4_train.config.compose import check_run
+
+    world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
     try:
         cfg = compose_config("train", argv)
+        check_run(cfg, world_size)  # what would otherwise fail only after the model is built
     except Exception as e:  # Hydra / OmegaConf / schema validation: the message names the key or value
         print(f"train.py: config error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    from nvfp4_train.trainer import TrainingDiverged, train
+    from nvfp4_train.trainer import RunDirLocked, TrainingDiverged, train
 
     try:
         train(cfg)
+    except RunDirLocked as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
     except TrainingDiverged as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 3

@@ -52,7 +52,7 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
     def lin(kind_: str, role: str) -> ModuleSpec:
         # the stochastic-rounding seed of this layer: kernels/sr_key.py (one key function for the run)
         return linear_spec(kind_, layer_map.recipe(block, role), f"blocks.{block}.{role}",
-                           block_seed(seed, block, ROLE_SLOTS[role]))
+                           block_seed(seed, block, ROLE_SLOTS[role]), block=block, role=role)
 
     if kind == ATTENTION:
         attention = ModuleSpec(

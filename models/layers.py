@@ -68,9 +68,12 @@ class RMSNorm(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)
 
 
-def linear_spec(kind: str, recipe, layer_name: str, seed: int) -> ModuleSpec:
-    """The spec of one linear slot: our column-/row-parallel quantized layer with its resolved recipe."""
+def linear_spec(kind: str, recipe, layer_name: str, seed: int, *, block: int | None = None,
+                role: str = "") -> ModuleSpec:
+    """The spec of one linear slot: our column-/row-parallel quantized layer with its resolved recipe (and the
+    global block index and role it was resolved from)."""
     from nvfp4_train.precision.megatron_linear import QuantColumnParallelLinear, QuantRowParallelLinear
 
     cls = {"column": QuantColumnParallelLinear, "row": QuantRowParallelLinear}[kind]
-    return ModuleSpec(module=cls, params={"recipe": recipe, "layer_name": layer_name, "seed": seed})
+    return ModuleSpec(module=cls, params={"recipe": recipe, "layer_name": layer_name, "seed": seed, "block": block,
+                                        "role": role})

@@ -1,21 +1,24 @@
-"""The training loop: ``train(cfg, model_provider=None)``.
+"""The training loop: ``train(cfg, model_provider=None)``, or ``Trainer(cfg)`` step by step.
 
 Model-agnostic: the model comes from ``model_provider(pre_process, post_process) -> MegatronModule`` (the
 hybrid model of ``models.build`` by default) whose ``forward(input_ids=, position_ids=, attention_mask=,
 labels=)`` returns the per-token loss ``[b, s]`` on the last pipeline stage, like megatron's ``GPTModel``.
-Optional model methods the trainer uses when present: ``precision_layers()`` (the precision switch),
-``flops_per_token(seq_length)`` (MFU; else 6 x parameters).
+Optional model methods the trainer uses when present: ``precision_layers()`` (the precision switch: each
+layer carries its global ``block`` index and ``role``), ``flops_per_token(seq_length)`` (MFU; else 6 x
+parameters).
 
-One step: set the step's learning rate (WSD), apply the precision switch when it starts, run megatron's
-``get_forward_backward_func`` over ``global_batch_size / (micro_batch_size * DP)`` micro-batches (1F1B under
-pipeline parallelism), all-reduce [loss, non-finite flag, signal flag] over the world, then either skip the
-optimizer (non-finite loss) or call it (it skips itself on non-finite gradients; the gradient clipping is
-``nvfp4_train.optim.optimizer_step``'s, without host syncs: see ``nvfp4_train.optim``).
-Every ``logging.interval`` steps a metrics record, every ``schedule.eval_interval`` steps a validation pass,
-every ``checkpoint.interval`` steps a checkpoint; SIGTERM/SIGUSR1 finish the step, save and return.
-``optim.max_consecutive_bad_steps`` skipped steps in a row stop the run (``TrainingDiverged``) with a report
-naming the first non-finite quantized layer and its telemetry; a loss spike (``spike.*``, off by default) is
-logged, or rolled back to the last checkpoint past its data window. See docs/reliability.md.
+One step (:meth:`Trainer.train_step`): set the step's learning rate (WSD), apply the precision switch when it
+starts, run megatron's ``get_forward_backward_func`` over ``global_batch_size / (micro_batch_size * DP)``
+micro-batches (1F1B under pipeline parallelism), all-reduce [loss, non-finite flag, signal flag] over the
+world, then either skip the optimizer (non-finite loss or learning rate) or call it (it skips itself on
+non-finite gradients; the gradient clipping is ``nvfp4_train.optim.optimizer_step``'s, without host syncs:
+see ``nvfp4_train.optim``). :meth:`Trainer.run` is that step in a loop, then, in this order: the step's
+records, bad-step handling (``optim.max_consecutive_bad_steps`` skipped steps in a row stop the run,
+``TrainingDiverged``, with a report naming the first non-finite quantized layer, its telemetry and the last
+checkpoint written before the streak), spike handling (``spike.*``, off by default: logged, or rolled back to
+the last checkpoint past its data window), evaluation every ``schedule.eval_interval`` steps, and the
+checkpoint policy (every ``checkpoint.interval`` steps, never during a streak of bad steps;
+SIGTERM/SIGUSR1 finish the step, save and return). See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import dataclasses
 import importlib
 import logging
 import math
-import re
 import signal
 import time
 import warnings
@@ -35,12 +37,17 @@ from pathlib import Path
 import torch
 
 from nvfp4_train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, start_checkpoint_writer
+from nvfp4_train.config.compose import check_finite
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
 from nvfp4_train.optim import optimizer_step
 from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
+from nvfp4_train.precision import telemetry as quant_telemetry
+from nvfp4_train.precision.layer_map import LayerPrecisionMap, recipe_in_effect
+from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
 from nvfp4_train.spikes import SpikeDetector
 
-__all__ = ["train", "TrainResult", "TrainingDiverged", "hybrid_model_provider", "resolve_model_provider",
+__all__ = ["train", "Trainer", "StepOutcome", "NonfiniteSite", "BadStreak", "TrainResult", "TrainingDiverged",
+           "RunDirLocked", "hybrid_model_provider", "resolve_model_provider",
            "apply_precision_switch"]
 
 
@@ -61,14 +68,13 @@ class TrainResult:
     resumed_from: str | None
 
 
-def hybrid_model_provider(cfg):
-    """The default provider: ``models.build.build_model`` (the hybrid Mamba-Transformer)."""
-    try:
-        from models.build import build_model, transformer_config
-    except ImportError as e:
-        raise ImportError(f"the default model provider needs models.build ({e}); give another one with "
-                          f"experiment.model_provider=module:function") from e
-    layer_map = cfg.precision.layer_map(cfg.model.pattern)
+def hybrid_model_provider(cfg, layer_map: LayerPrecisionMap | None = None):
+    """The default provider: ``models.build.build_model`` (the hybrid Mamba-Transformer) with ``layer_map``
+    (the trainer hands down the map it resolved; None: resolved here from ``cfg.precision``)."""
+    from models.build import build_model, transformer_config
+
+    if layer_map is None:
+        layer_map = cfg.precision.layer_map(cfg.model.pattern)
     tcfg = transformer_config(cfg.model, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                               sequence_parallel=cfg.parallel.sequence_parallel)
 
@@ -79,11 +85,12 @@ def hybrid_model_provider(cfg):
     return provider
 
 
-def resolve_model_provider(cfg):
-    """``experiment.model_provider`` (``module:function``, called with the config) or the hybrid model."""
+def resolve_model_provider(cfg, layer_map: LayerPrecisionMap | None = None):
+    """``experiment.model_provider`` (``module:function``, called with the config) or the hybrid model (given
+    ``layer_map``, see :func:`hybrid_model_provider`)."""
     spec = cfg.experiment.model_provider
     if spec is None:
-        return hybrid_model_provider(cfg)
+        return hybrid_model_provider(cfg, layer_map)
     module, _, name = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module), name)
@@ -92,32 +99,19 @@ def resolve_model_provider(cfg):
     return factory(cfg)
 
 
-_LAYER_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
-
-
-def _base_recipe(layer, layer_map):
-    """The recipe a quantized layer was built with: from its ``layer_name`` ``blocks.<global block>.<role>``
-    (``models.hybrid``), its ``block``/``role`` attributes, or its ``base_recipe``."""
-    m = _LAYER_NAME.match(getattr(layer, "layer_name", "") or "")
-    if m:
-        return layer_map.recipe(int(m.group(1)), m.group(2))
-    if hasattr(layer, "block") and hasattr(layer, "role"):
-        return layer_map.recipe(layer.block, layer.role)
-    if hasattr(layer, "base_recipe"):
-        return layer.base_recipe
-    raise TypeError(f"{type(layer).__name__} from precision_layers() has neither a layer_name 'blocks.<i>.<role>', "
-                    f"(block, role) attributes nor a base_recipe: the trainer cannot tell which recipe it was built with")
-
-
-def apply_precision_switch(module, layer_map, switch, *, step: int, total_steps: int) -> int:
-    """Set each quantized layer's recipe in effect at ``step`` (paper App. D). Returns the layers changed."""
-    from nvfp4_train.precision.layer_map import recipe_in_effect
-
+def apply_precision_switch(module, layer_map: LayerPrecisionMap, switch, *, step: int, total_steps: int) -> int:
+    """Set each quantized layer's recipe in effect at ``step`` (paper App. D): the recipe ``layer_map`` gives
+    the layer's global ``block`` index and ``role`` (attributes the quantized layers carry), switched as
+    ``switch`` says. Returns the layers changed."""
     if not hasattr(module, "precision_layers"):
         return 0
     n = 0
-    for _name, layer in module.precision_layers():
-        layer.set_recipe(recipe_in_effect(_base_recipe(layer, layer_map), switch, step=step, total_steps=total_steps))
+    for name, layer in module.precision_layers():
+        if not (hasattr(layer, "block") and hasattr(layer, "role")):
+            raise TypeError(f"layer {name!r} ({type(layer).__name__}) from precision_layers() has no (block, role) "
+                            f"attributes: the trainer cannot tell which recipe it was built with")
+        base = layer_map.recipe(layer.block, layer.role)
+        layer.set_recipe(recipe_in_effect(base, switch, step=step, total_steps=total_steps))
         n += 1
     return n
 
@@ -144,13 +138,6 @@ def set_quant_rng_counters(module, counters: dict[str, int]) -> int:
     return n
 
 
-def _telemetry_module():
-    try:
-        return importlib.import_module("nvfp4_train.precision.telemetry")
-    except ImportError:
-        return None
-
-
 class NonfiniteChecks:
     """When the quantized layers run their non-finite check (``logging.nonfinite_check``): ``every_step``
     leaves it on; ``after_skip`` switches it off, on again after a skipped step (so the next bad step of a run
@@ -173,18 +160,6 @@ class NonfiniteChecks:
             self._set(not ok)
 
 
-def _set_weight_cache(module, enabled: bool) -> None:
-    from nvfp4_train.precision.megatron_linear import set_weight_cache
-
-    set_weight_cache(module, enabled)  # a model without quantized layers has nothing to set
-
-
-def _invalidate_weight_caches(module) -> None:
-    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches
-
-    invalidate_weight_caches(module)
-
-
 def _unwrap(ddp):
     return ddp.module
 
@@ -196,17 +171,17 @@ def _format_stats(layer_stats: dict) -> str:
 
 
 class _SignalFlag:
-    """SIGTERM / SIGUSR1 set a flag; the loop acts on it after the current step."""
+    """SIGTERM / SIGUSR1 set a flag; the loop acts on it after the current step. Not ``enabled``
+    (``checkpoint.save_on_signal=false``): they end the process (the default action) until :meth:`restore`."""
 
     def __init__(self, enabled: bool) -> None:
         self.signum = 0
         self._old = {}
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                try:
-                    self._old[sig] = signal.signal(sig, self._handle)
-                except ValueError:  # not the main thread
-                    pass
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle if enabled else signal.SIG_DFL)
+            except ValueError:  # not the main thread
+                pass
 
     def _handle(self, signum, _frame) -> None:
         self.signum = signum
@@ -218,24 +193,139 @@ class _SignalFlag:
 
 def train(cfg, *, model_provider=None) -> TrainResult:
     """Train as ``cfg`` says (a ``nvfp4_train.config.Config``); ``model_provider`` overrides the config's."""
-    state = setup_parallel(cfg.parallel, seed=cfg.experiment.seed)
-    try:
-        return _Trainer(cfg, model_provider, state).run()
-    finally:
-        teardown_parallel(state)
+    with Trainer(cfg, model_provider=model_provider) as trainer:
+        return trainer.run()
 
 
-class _Trainer:
-    def __init__(self, cfg, model_provider, ps: ParallelState) -> None:
+@dataclass(frozen=True, kw_only=True)
+class NonfiniteSite:
+    """Where a step first saw a non-finite value: a quantized layer's output (``forward``) or input gradient
+    (``backward``), on the lowest rank that saw one."""
+
+    layer: str
+    where: str
+    rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutcome:
+    """What one :meth:`Trainer.train_step` did (the same on every rank)."""
+
+    step: int
+    """The trainer's step count after the step: this step's number, counted from 1."""
+    loss: float
+    """The world's mean loss over the global batch (NaN or inf when non-finite)."""
+    lr: float
+    """The learning rate the step ran with (before the parameter groups' multipliers)."""
+    grad_norm: torch.Tensor | float | None
+    """The global gradient norm before clipping, as ``nvfp4_train.optim.optimizer_step`` returns it (a 0-d device
+    tensor: ``float()`` reads it, a host sync); None when the update was skipped."""
+    skipped: bool
+    """The update was not applied (a bad step, counted in ``Trainer.skipped_steps``)."""
+    reason: str | None
+    """Why it was skipped: ``non-finite loss``, ``non-finite learning rate`` or ``non-finite gradient``."""
+    first_nonfinite: NonfiniteSite | None
+    """The first quantized layer that saw a non-finite value in this (skipped) step; None: none did."""
+    signal: bool
+    """A SIGTERM/SIGUSR1 reached some rank before the step's all-reduce (:meth:`Trainer.run` saves and stops)."""
+    time_s: float
+    """Wall seconds of the step, device synchronized (the precision switch and telemetry collection excluded)."""
+
+
+@dataclass(kw_only=True)
+class BadStreak:
+    """The current run of consecutive bad (skipped) steps."""
+
+    length: int = 0
+    """Bad steps in a row (0: not in a streak)."""
+    first: NonfiniteSite | None = None
+    """The first quantized layer that saw a non-finite value during the streak."""
+    first_step: int | None = None
+    """The step (counted from 1) in which ``first`` was seen."""
+    checkpoint_before: str | None = None
+    """The last checkpoint written (or resumed from) before the streak began: no checkpoint is written during
+    a streak, so this is the one to resume from."""
+
+
+class RunDirLocked(RuntimeError):
+    """Another live run holds the run directory's lock."""
+
+
+class _RunDirLock:
+    """An exclusive ``fcntl.flock`` on ``<run dir>/.lock``, held by rank 0 for the trainer's lifetime.
+
+    The file holds the holder's pid and host. The kernel releases a flock when its process dies (SIGKILL
+    included), so a lock file left by a killed run is not held: the next run takes it and says whose it was.
+    On a shared filesystem the lock is as good as its flock: NFSv4 and Lustre mounted with ``flock`` (or
+    ``localflock`` for one node) honour it; without that two runs on different nodes are not kept apart."""
+
+    def __init__(self, run_dir: Path) -> None:
+        import fcntl
+        import os
+        import socket
+
+        self.path = run_dir / ".lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self.fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise RunDirLocked(f"run directory {run_dir} is in use by another run ({holder}, lock {self.path}): "
+                               f"wait for it to end, or give this run another experiment.run_dir") from None
+        self.previous = os.pread(self.fd, 256, 0).decode(errors="replace").strip() or None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+
+    def release(self) -> None:
+        import os
+
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+
+class Trainer:
+    """A training run, built from its config and driven step by step.
+
+    ``Trainer(cfg)`` builds everything a run needs: the process groups (unless ``parallel_state`` is given), the
+    run directory's lock, the model (``model_provider``, else the config's), DDP, optimizer, schedule and
+    datasets; it resumes as ``checkpoint.resume`` says, writes ``config.yaml`` and opens the metrics. It trains
+    nothing. Then:
+
+    - :meth:`run` trains to ``schedule.train_steps`` (records, bad steps, spikes, evaluation, checkpoints).
+    - :meth:`train_step` runs exactly one training step, the one :meth:`run` loops over, and returns its
+      :class:`StepOutcome`; it writes no records, evaluates and saves nothing (what a benchmark times).
+    - :meth:`close` (or ``with Trainer(cfg) as t:``) releases the signal handlers, the metrics files, the lock
+      and the process groups it set up.
+    """
+
+    def __init__(self, cfg, *, model_provider=None, parallel_state: ParallelState | None = None) -> None:
+        check_finite(cfg)  # also a config built in code, not composed
+        # a signal from here on stops the run cleanly (before the first step: without training anything)
+        self._signals = _SignalFlag(cfg.checkpoint.save_on_signal)
+        self._lock: _RunDirLock | None = None
+        self.metrics: MetricsLogger | None = None
+        self._owns_parallel = parallel_state is None
+        self.ps = setup_parallel(cfg.parallel, seed=cfg.experiment.seed) if parallel_state is None else parallel_state
+        try:
+            self._build(cfg, model_provider)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg, model_provider) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
         from omegaconf import OmegaConf
 
         from nvfp4_train.data.datasets import build_datasets, load_tokenizer_for
         from nvfp4_train.optim import build_ddp, build_optimizer
         from nvfp4_train.schedule import WSDSchedule
 
-        self.cfg, self.ps = cfg, ps
+        ps = self.ps
+        self.cfg = cfg
         self.run_dir = Path(cfg.experiment.resolved_run_dir())
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.device = torch.device(ps.device)
@@ -244,6 +334,8 @@ class _Trainer:
             warnings.filterwarnings("ignore")
         if ps.cpu_compat:  # on CPU the "CUDA" RNG of megatron's tracker IS the CPU RNG: its every-step warning
             logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)  # says nothing
+        self._resume_changes: list[tuple[str, dict, str]] = []  # (event, fields, note) logged when run() starts
+        self._lock_run_dir()
 
         sc = cfg.schedule
         self.sched = sc.resolve(cfg.data.seq_length)
@@ -257,11 +349,11 @@ class _Trainer:
         if cfg.model.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                              f"{tokenizer.vocab_size} ids: set model.vocab_size >= {tokenizer.vocab_size}")
-        self.layer_map = cfg.precision.layer_map(cfg.model.pattern)
+        self.layer_map = cfg.precision.layer_map(cfg.model.pattern)  # resolved once, handed to the model
         self.switch = cfg.precision.switch
 
         # model, DDP, optimizer
-        provider = model_provider if model_provider is not None else resolve_model_provider(cfg)
+        provider = model_provider if model_provider is not None else resolve_model_provider(cfg, self.layer_map)
         module = provider(pre_process=ps.is_first_stage, post_process=ps.is_last_stage)
         if getattr(module, "config", None) is None:
             raise TypeError(f"the model provider returned a {type(module).__name__} without a megatron "
@@ -274,8 +366,6 @@ class _Trainer:
         self.optimizer = build_optimizer([self.ddp], cfg.optim, lr=sc.lr, min_lr=sc.min_lr)
         self.lr_schedule = WSDSchedule(self.sched, self.optimizer, weight_decay=cfg.optim.weight_decay)
         self.tconfig = tconfig
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         self.fb = get_forward_backward_func()
         self.flops_per_token = self._flops_per_token(module, parallel_state)
         self.peak_flops = peak_flops_per_device(cfg.logging)
@@ -294,6 +384,7 @@ class _Trainer:
         self.spikes = SpikeDetector(cfg.spike)
         self.rollbacks = 0
         self.skipped_samples = 0  # training samples never trained on: the data windows skipped by rollbacks
+        self.eval_step: int | None = None  # the step of the latest evaluation (a resumed one: the checkpoint's)
         path = find_resume_checkpoint(cfg.checkpoint.resume, self.ckpt_dir,
                                       checksums=cfg.checkpoint.verify == "sha256")
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
@@ -302,15 +393,13 @@ class _Trainer:
             tstate = self._load(path)
             self.skipped_samples = tstate.get("skipped_samples", 0)
             self.rollbacks = tstate.get("rollbacks", 0)
+            self.eval_step = tstate.get("eval_step")
             if tstate.get("consumed_samples") != self.step * gbs + self.skipped_samples:
                 raise ValueError(f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not "
                                  f"step * global_batch_size + skipped_samples = {self.step} * {gbs} + "
                                  f"{self.skipped_samples}: the global batch size changed; resume with "
                                  f"schedule.global_batch_size as saved")
-            saved_sched = tstate.get("schedule", {})
-            if saved_sched and saved_sched != self.lr_schedule.state_dict():
-                warnings.warn(f"the schedule differs from the checkpoint's ({saved_sched}); continuing with this "
-                              f"run's (the data order also changes when train_steps changes)", stacklevel=2)
+            self._note_resume_changes(path, tstate)
             self.resumed_from = str(path)
         if self.step > self.sched.train_steps:
             raise ValueError(f"checkpoint at step {self.step} is past schedule.train_steps={self.sched.train_steps}")
@@ -321,11 +410,87 @@ class _Trainer:
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
-        self.telemetry = _telemetry_module() if cfg.logging.telemetry_interval else None
-        if cfg.logging.telemetry_interval and self.telemetry is None:
-            self.metrics.note("telemetry: nvfp4_train.precision.telemetry is not available, telemetry is off")
+        self.telemetry_interval = cfg.logging.telemetry_interval
         self.last_telemetry: tuple[int, dict] | None = None  # (step, layers) of the latest collection
-        self.tel_mod = self.telemetry or _telemetry_module()  # also for one-off collections and non-finite names
+
+        # the loop's state
+        module = _unwrap(self.ddp)
+        # quantize each weight once per optimizer step (not once per micro-batch); megatron's optimizer
+        # writes the weights through param.data, so the caches are dropped explicitly after every step
+        set_weight_cache(module, True)
+        self.switch_start = self.switch.start_step(self.sched.train_steps)
+        self.switched = False
+        self.streak = BadStreak()  # the current run of bad steps
+        self.checks = NonfiniteChecks(cfg.logging.nonfinite_check, quant_telemetry, module)
+        self._telemetry_next = False  # collect telemetry in the next step (after a skipped step or a loss spike)
+        self.last_checkpoint: str | None = None  # the latest checkpoint this process wrote or rolled back to
+        self.saved_step = self.step if self.resumed_from else None
+        self.last_loss: float | None = None  # of the latest good step
+        self.last_val: float | None = None  # of the latest evaluation
+        self._batches = None  # the training batches' iterator, from the current position (made at the first step)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Restore the signal handlers; close the metrics; release the run directory and the process groups
+        this trainer set up (idempotent)."""
+        self._signals.restore()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._owns_parallel:
+            self._owns_parallel = False
+            teardown_parallel(self.ps)
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 takes the run directory's lock; every rank raises :class:`RunDirLocked` when it cannot
+        (collective)."""
+        msg = None
+        if self.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self._lock = _RunDirLock(self.run_dir)
+            except RunDirLocked as e:
+                msg = str(e)
+        msg = self._all_ranks(msg)[0]
+        if msg is not None:
+            raise RunDirLocked(msg)
+        if self._lock is not None and self._lock.previous:
+            self._resume_changes.append(("lock_taken_over", {"previous": self._lock.previous},
+                                         f"took over the run directory's lock left by {self._lock.previous} "
+                                         f"(that run is gone: the lock was not held)"))
+
+    def _note_resume_changes(self, path: Path, tstate: dict) -> None:
+        """Warn about, and log when run() starts, what differs from the checkpoint: the schedule (the
+        learning rate's shape and the data order change) and the precision."""
+        import yaml
+
+        saved_sched = tstate.get("schedule", {})
+        if saved_sched and saved_sched != self.lr_schedule.state_dict():
+            now = self.lr_schedule.state_dict()
+            diff = {k: [saved_sched.get(k), now.get(k)] for k in sorted(set(saved_sched) | set(now))
+                    if saved_sched.get(k) != now.get(k)}
+            text = (f"the schedule differs from checkpoint {path}'s: "
+                    + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+                    + "; continuing with this run's: the learning rate from here on follows the new schedule "
+                      "(the data order also changes when train_steps changes)")
+            warnings.warn(text, stacklevel=3)
+            self._resume_changes.append(("schedule_change", {"changed": diff}, text))
+        saved_yaml = path / "config.yaml"
+        saved_prec = (yaml.safe_load(saved_yaml.read_text()) or {}).get("precision") if saved_yaml.is_file() else None
+        now_prec = yaml.safe_load(self.config_yaml).get("precision")
+        if saved_prec is not None and saved_prec != now_prec:
+            text = (f"the precision differs from checkpoint {path}'s (recipe {saved_prec.get('recipe')!r} -> "
+                    f"{now_prec.get('recipe')!r}); the layers run this run's precision from here on")
+            warnings.warn(text, stacklevel=3)
+            self._resume_changes.append(("precision_change", {"checkpoint": saved_prec, "now": now_prec}, text))
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _flops_per_token(self, module, parallel_state) -> float:
@@ -415,7 +580,7 @@ class _Trainer:
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "skipped_steps": self.skipped_steps,
                 "skipped_samples": self.skipped_samples, "rollbacks": self.rollbacks,
                 "spike": self.spikes.state_dict(), "schedule": self.lr_schedule.state_dict(),
-                "layout": self.ps.layout()}
+                "layout": self.ps.layout(), "eval_step": self.eval_step}
 
     def _all_ranks(self, item) -> list:
         """``item`` of every rank, in rank order (collective)."""
@@ -463,10 +628,11 @@ class _Trainer:
         first = tstate["consumed_samples"]
         self.skipped_samples = end - self.step * gbs
         self.rollbacks += 1  # not the checkpoint's count: rollbacks are never undone
-        _invalidate_weight_caches(_unwrap(self.ddp))  # the weights changed outside an optimizer step
+        invalidate_weight_caches(_unwrap(self.ddp))  # the weights changed outside an optimizer step
         return first, end
 
     def save(self) -> str:
+        """Write a checkpoint of the current step (collective); it becomes :attr:`last_checkpoint`."""
         meta = {"model": dataclasses.asdict(self.cfg.model), "layout": self.ps.layout(), "step": self.step,
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "time": time.time()}
         t0 = time.time()
@@ -476,12 +642,118 @@ class _Trainer:
                                rank_extra={"quant_calls": quant_rng_counters(_unwrap(self.ddp))})
         self.metrics.event("checkpoint", self.step, path=str(path), seconds=round(time.time() - t0, 3))
         self.metrics.note(f"step {self.step}: checkpoint {path}")
+        self.last_checkpoint, self.saved_step = str(path), self.step
         return str(path)
+
+    # -- one training step ------------------------------------------------------------------------------
+    def train_step(self) -> StepOutcome:
+        """Run one training step, the one :meth:`run` loops over, and return its :class:`StepOutcome`.
+
+        In order: the precision switch when its step has come, telemetry when due, the step's learning rate
+        (WSD), forward and backward over the global batch's micro-batches, one all-reduce of [loss, non-finite
+        loss, signal], then the optimizer step (clipped, sync-free) unless the loss or the learning rate is
+        non-finite (megatron's optimizer skips a non-finite gradient itself). A skipped step is counted in
+        :attr:`skipped_steps` and extends :attr:`streak` (naming the first non-finite quantized layer over the
+        ranks); a good step ends the streak. ``step`` advances by one. Collective: every rank calls it.
+
+        It writes no step record, evaluates and saves nothing, and does not stop on a signal or a streak
+        (:meth:`run` does); the precision switch and a telemetry collection log their own records. The first
+        call opens the training data at the current position."""
+        cfg = self.cfg
+        module = _unwrap(self.ddp)
+        step = self.step
+        if self._batches is None:
+            start = step * cfg.schedule.global_batch_size + self.skipped_samples
+            self._batches = iter(self._loader(self.train_ds, start))
+        if self.switch_start is not None and step >= self.switch_start and not self.switched:
+            n = apply_precision_switch(module, self.layer_map, self.switch, step=step,
+                                       total_steps=self.sched.train_steps)
+            self.switched = True
+            self.metrics.event("precision_switch", step, mode=self.switch.mode, layers=n)
+            self.metrics.note(f"step {step}: precision switch {self.switch.describe()} ({n} layers)")
+        telemetry_now = bool(self.telemetry_interval and step % self.telemetry_interval == 0) or self._telemetry_next
+        self._telemetry_next = False
+        if telemetry_now:
+            quant_telemetry.set_telemetry(module, True)
+
+        lr = self.lr_schedule.apply(step)
+        t0 = time.perf_counter()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_fb(self._batches, forward_only=False, num_micro=self.num_micro)
+        local = self._local_loss(losses)
+        loss, bad_loss, sig = self._allreduce([local, 0.0 if math.isfinite(local) else 1.0,
+                                               float(self._signals.signum != 0)])
+        grad_norm = None
+        if bad_loss > 0:
+            reason = "non-finite loss"
+        elif not math.isfinite(lr):  # the same on every rank: an update by it would be non-finite everywhere
+            reason = "non-finite learning rate"
+        else:
+            # megatron's step with our sync-free clipping; grad_norm: a device tensor, read at logging
+            ok, grad_norm, _ = optimizer_step(self.optimizer, cfg.optim.clip_grad)
+            reason = None if ok else "non-finite gradient"
+        invalidate_weight_caches(module)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+
+        if telemetry_now:
+            self.last_telemetry = (self.step, quant_telemetry.collect_telemetry(module))
+            self.metrics.telemetry(self.step, self.last_telemetry[1])
+            quant_telemetry.set_telemetry(module, False)
+        first = self._count_bad_step() if reason is not None else None
+        if reason is None:
+            self.streak = BadStreak()  # the current run of bad steps
+        self.checks.after_step(reason is None)
+        return StepOutcome(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, skipped=reason is not None,
+                           reason=reason, first_nonfinite=first, signal=sig > 0, time_s=dt)
+
+    def _count_bad_step(self) -> NonfiniteSite | None:
+        """Count a skipped step into :attr:`skipped_steps` and :attr:`streak`; returns the first quantized layer
+        that saw a non-finite value in it, over the ranks (collective)."""
+        self.skipped_steps += 1
+        if self.streak.length == 0:
+            self.streak.checkpoint_before = self.last_checkpoint or self.resumed_from
+        self.streak.length += 1
+        module = _unwrap(self.ddp)
+        events = quant_telemetry.nonfinite_events(module)  # since the last reset: this step's, this rank's
+        quant_telemetry.reset_nonfinite(module)
+        item, rank = self._first_over_ranks(events[0][1:] if events else None)
+        first = NonfiniteSite(layer=item[0], where=item[1], rank=rank) if item else None
+        if self.streak.first is None and first is not None:
+            self.streak.first, self.streak.first_step = first, self.step
+        self._telemetry_next = True  # the next step records every layer's telemetry (for the report)
+        return first
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        cfg, sc = self.cfg, self.cfg.schedule
-        total = self.sched.train_steps
+        """Train from the current step to ``schedule.train_steps``: :meth:`train_step` in a loop, each step
+        followed by its records, bad-step handling, spike handling, evaluation and the checkpoint policy;
+        then a final evaluation and checkpoint. Returns when done or stopped by a signal; raises
+        :class:`TrainingDiverged`."""
+        self._start()
+        if self._signal_before_first_step():
+            return self._result(stopped=True)
+        while self.step < self.sched.train_steps:
+            out = self.train_step()
+            self._record_step(out)
+            self._stop_if_diverged(out)
+            if self._handle_spike(out):
+                continue  # rolled back: the loop goes on from the checkpoint
+            if self.cfg.schedule.eval_interval and self.step % self.cfg.schedule.eval_interval == 0:
+                self._evaluate_and_record()
+            if out.signal:
+                self._stop_on_signal()
+                return self._result(stopped=True)
+            if self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0:
+                self._save_unless_in_streak("checkpoint.interval")
+        self._finish()
+        return self._result(stopped=False)
+
+    def _start(self) -> None:
+        sc = self.cfg.schedule
         self.metrics.note(f"{self.layer_map.summary_line()}; {self.sched.describe()}; tp={self.ps.tp} pp={self.ps.pp} "
                           f"dp={self.ps.dp}, {self.num_micro} micro-batches of {sc.micro_batch_size}; "
                           f"run dir {self.run_dir}")
@@ -490,182 +762,152 @@ class _Trainer:
             self.metrics.note(f"resumed from {self.resumed_from} at step {self.step}")
         else:
             self.metrics.event("start", self.step)
-        start_checkpoint_writer()  # before our handlers: a signal to the process group must not kill it
-        flag = _SignalFlag(cfg.checkpoint.save_on_signal)
-        module = _unwrap(self.ddp)
-        # quantize each weight once per optimizer step (not once per micro-batch); megatron's optimizer
-        # writes the weights through param.data, so the caches are dropped explicitly after every step
-        _set_weight_cache(module, True)
-        switch_start = self.switch.start_step(total)
-        switched = False
-        consecutive_bad = 0
-        last_loss = last_val = None
-        last_ckpt = None
-        saved_step = self.step if self.resumed_from else None
-        last_eval_step = -1
-        stopped = False
-        streak = None  # (step, layer, "forward" | "backward") of the first non-finite layer of a run of bad steps
-        checks = NonfiniteChecks(cfg.logging.nonfinite_check, self.tel_mod, module)
-        telemetry_next = False  # collect telemetry in the next step (after a skipped step or a loss spike)
-        loader_it = iter(self._loader(self.train_ds, self.step * sc.global_batch_size + self.skipped_samples))
-        try:
-            while self.step < total:
-                step = self.step
-                if switch_start is not None and step >= switch_start and not switched:
-                    n = apply_precision_switch(module, self.layer_map, self.switch, step=step, total_steps=total)
-                    switched = True
-                    self.metrics.event("precision_switch", step, mode=self.switch.mode, layers=n)
-                    self.metrics.note(f"step {step}: precision switch {self.switch.describe()} ({n} layers)")
-                telemetry_now = bool(self.telemetry and cfg.logging.telemetry_interval
-                                     and step % cfg.logging.telemetry_interval == 0)
-                telemetry_now = telemetry_now or (telemetry_next and self.tel_mod is not None)
-                telemetry_next = False
-                if telemetry_now:
-                    self.tel_mod.set_telemetry(module, True)
-                lr = self.lr_schedule.apply(step)
-                t0 = time.perf_counter()
-                self.ddp.zero_grad_buffer()
-                self.optimizer.zero_grad()
-                losses = self._run_fb(loader_it, forward_only=False, num_micro=self.num_micro)
-                local = self._local_loss(losses)
-                loss, bad_loss, sig = self._allreduce([local, 0.0 if math.isfinite(local) else 1.0,
-                                                       float(flag.signum != 0)])
-                grad_norm = None
-                if bad_loss > 0:
-                    ok = False
-                else:
-                    # megatron's step with our sync-free clipping; grad_norm: a device tensor, read at logging
-                    ok, grad_norm, _ = optimizer_step(self.optimizer, cfg.optim.clip_grad)
-                _invalidate_weight_caches(module)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                self.step += 1
-                if telemetry_now:
-                    self.last_telemetry = (self.step, self.tel_mod.collect_telemetry(module))
-                    self.metrics.telemetry(self.step, self.last_telemetry[1])
-                    self.tel_mod.set_telemetry(module, False)
-                if ok:
-                    consecutive_bad = 0
-                    streak = None
-                    last_loss = loss
-                else:
-                    self.skipped_steps += 1
-                    consecutive_bad += 1
-                    layer = None
-                    tel = self.tel_mod
-                    if tel is not None and hasattr(tel, "nonfinite_events"):
-                        events = tel.nonfinite_events(module)  # since the last reset: this step's, this rank's
-                        tel.reset_nonfinite(module)
-                        first, rank = self._first_over_ranks(events[0][1:] if events else None)
-                        layer = first[0] if first else None
-                        if streak is None and first:
-                            streak = (self.step, layer, first[1], rank)
-                        telemetry_next = True  # the next step records every layer's telemetry (for the report)
-                    self.metrics.event("skipped_step", self.step, loss=loss,
-                                       reason="non-finite loss" if bad_loss > 0 else "non-finite gradient",
-                                       consecutive=consecutive_bad, first_nonfinite_layer=layer)
-                    self.metrics.note(f"step {self.step}: skipped (non-finite {'loss' if bad_loss > 0 else 'gradient'}"
-                                      f"{f', first in {layer}' if layer else ''}); {consecutive_bad} in a row")
-                checks.after_step(ok)
-                if self.step % cfg.logging.interval == 0 or self.step == total:
-                    tps = self.sched.tokens_per_step / dt if dt > 0 else float("nan")
-                    mfu = (self.flops_per_token * tps / (self.peak_flops * self.ps.world_size)
-                           if self.peak_flops else None)
-                    gn = None if grad_norm is None else float(grad_norm)
-                    self.metrics.train({"step": self.step, "tokens": self.step * self.sched.tokens_per_step,
-                                        "loss": loss, "lr": lr, "grad_norm": gn, "tokens_per_s": tps, "mfu": mfu,
-                                        "peak_mem_gb": peak_memory_gb(), "skipped_steps": self.skipped_steps,
-                                        "skipped": not ok, "time_s": dt})
-                self.metrics.advance()
-                if consecutive_bad >= cfg.optim.max_consecutive_bad_steps:
-                    first_layer = streak[1] if streak else None
-                    tel_rank = streak[3] if streak else 0  # its telemetry from the rank that named it
-                    tel_step, layer_tel = self._all_ranks(self._layer_telemetry(first_layer))[tel_rank]
-                    if streak:
-                        where = "output" if streak[2] == "forward" else "input gradient"
-                        first = (f"first non-finite value: the {where} of layer {first_layer} at step {streak[0]}"
-                                 + (f" (rank {streak[3]})" if self.ps.world_size > 1 else ""))
-                        first += (f"; its quantization telemetry at step {tel_step}: {_format_stats(layer_tel)}"
-                                  if layer_tel else "; no telemetry of it was collected")
-                    else:
-                        first = "no quantized layer saw a non-finite value (the loss, or a module outside them)"
-                    msg = (f"stopping at step {self.step}: {consecutive_bad} consecutive steps with a non-finite "
-                           f"loss or gradient (optim.max_consecutive_bad_steps={cfg.optim.max_consecutive_bad_steps}"
-                           f"; {self.skipped_steps} skipped in total; last loss {loss}); {first}. The last good "
-                           f"checkpoint is {last_ckpt or self.resumed_from or 'none (none was saved)'} (rerun with "
-                           f"checkpoint.resume=auto to resume from it); lower schedule.lr or check precision "
-                           f"(python -m nvfp4_train.precision.table)")
-                    self.metrics.event("diverged", self.step, message=msg, first_nonfinite_layer=first_layer,
-                                       first_nonfinite_step=streak[0] if streak else None,
-                                       first_nonfinite_in=streak[2] if streak else None,
-                                       first_nonfinite_rank=streak[3] if streak else None, telemetry_step=tel_step,
-                                       layer_telemetry=layer_tel)
-                    raise TrainingDiverged(msg)
-                if ok and self.spikes.observe(loss):
-                    med = self.spikes.median()
-                    tel_step, layers = self.last_telemetry or (None, None)
-                    self.metrics.event("loss_spike", self.step, loss=loss, median=med, factor=cfg.spike.factor,
-                                       telemetry_step=tel_step, telemetry=layers)
-                    self.metrics.note(f"step {self.step}: loss spike, {loss:.4f} > spike.factor {cfg.spike.factor} x "
-                                      f"running median {med:.4f}")
-                    if not cfg.spike.rollback:
-                        telemetry_next = True  # the step after the spike records every layer's telemetry
-                    elif self.rollbacks >= cfg.spike.max_rollbacks:
-                        msg = (f"stopping at step {self.step}: loss spike ({loss:.4f} > spike.factor "
-                               f"{cfg.spike.factor} x running median {med:.4f}) with spike.max_rollbacks="
-                               f"{cfg.spike.max_rollbacks} rollbacks done. The last checkpoint is "
-                               f"{last_ckpt or self.resumed_from or 'none (none was saved)'}; lower schedule.lr, or "
-                               f"raise spike.factor or spike.max_rollbacks")
-                        self.metrics.event("diverged", self.step, message=msg)
-                        raise TrainingDiverged(msg)
-                    else:
-                        path = find_resume_checkpoint("auto", self.ckpt_dir,
-                                                      checksums=cfg.checkpoint.verify == "sha256")
-                        if path is None:
-                            self.metrics.note(f"step {self.step}: no checkpoint to roll back to yet; continuing")
-                        else:
-                            from_step = self.step
-                            first, end = self._rollback(path)
-                            loader_it = iter(self._loader(self.train_ds, end))
-                            last_ckpt, saved_step, consecutive_bad, streak = str(path), self.step, 0, None
-                            if switched and self.step < switch_start:  # back before the precision switch
-                                apply_precision_switch(module, self.layer_map, self.switch, step=self.step,
-                                                       total_steps=total)
-                                switched = False
-                            self.metrics.event("rollback", self.step, from_step=from_step, checkpoint=str(path),
-                                               skipped_samples=[first, end], rollbacks=self.rollbacks)
-                            self.metrics.note(f"step {from_step}: rolled back to {path} (step {self.step}), skipping "
-                                              f"training samples [{first}, {end}) (rollback {self.rollbacks} of "
-                                              f"spike.max_rollbacks={cfg.spike.max_rollbacks})")
-                            continue
-                if sc.eval_interval and self.step % sc.eval_interval == 0:
-                    last_val = self.evaluate()
-                    last_eval_step = self.step
-                    if last_val is not None:
-                        self.metrics.eval(self.step, self.step * self.sched.tokens_per_step, last_val)
-                if sig > 0:
-                    self.metrics.event("signal", self.step, signum=flag.signum)
-                    self.metrics.note(f"step {self.step}: signal received, saving and stopping")
-                    if cfg.checkpoint.save_on_signal and saved_step != self.step:
-                        last_ckpt, saved_step = self.save(), self.step
-                    stopped = True
-                    break
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
-                    last_ckpt, saved_step = self.save(), self.step
-            if not stopped:
-                if last_eval_step != self.step:
-                    last_val = self.evaluate()
-                    if last_val is not None:
-                        self.metrics.eval(self.step, self.step * self.sched.tokens_per_step, last_val)
-                if cfg.checkpoint.save_at_end and saved_step != self.step:
-                    last_ckpt, saved_step = self.save(), self.step
-                self.metrics.event("end", self.step, loss=last_loss, val_loss=last_val,
-                                   skipped_steps=self.skipped_steps)
-        finally:
-            flag.restore()
-            self.metrics.close()
+        for name, fields, text in self._resume_changes:
+            self.metrics.event(name, self.step, **fields)
+            self.metrics.note(f"step {self.step}: {text}")
+        start_checkpoint_writer()  # deaf to the stop signals: a signal to the process group must not kill it
+
+    def _signal_before_first_step(self) -> bool:
+        """A stop signal that came while the trainer was being built ends the run before it trains (nothing
+        to save: the run directory holds what it held) (collective)."""
+        (sig,) = self._allreduce([float(self._signals.signum != 0)])
+        if sig == 0:
+            return False
+        self.metrics.event("signal", self.step, signum=self._signals.signum, before_first_step=True)
+        self.metrics.note(f"step {self.step}: signal received before the first step; stopping without training "
+                          f"(nothing to save)")
+        return True
+
+    def _record_step(self, out: StepOutcome) -> None:
+        """The step's records: a skipped step's event, and every ``logging.interval`` steps a train record."""
+        if out.skipped:
+            layer = out.first_nonfinite.layer if out.first_nonfinite else None
+            self.metrics.event("skipped_step", out.step, loss=out.loss, reason=out.reason,
+                               consecutive=self.streak.length, first_nonfinite_layer=layer)
+            self.metrics.note(f"step {out.step}: skipped ({out.reason}{f', first in {layer}' if layer else ''}); "
+                              f"{self.streak.length} in a row")
+        else:
+            self.last_loss = out.loss
+        if out.step % self.cfg.logging.interval == 0 or out.step == self.sched.train_steps:
+            tps = self.sched.tokens_per_step / out.time_s if out.time_s > 0 else float("nan")
+            mfu = (self.flops_per_token * tps / (self.peak_flops * self.ps.world_size) if self.peak_flops else None)
+            gn = None if out.grad_norm is None else float(out.grad_norm)
+            self.metrics.train({"step": out.step, "tokens": out.step * self.sched.tokens_per_step, "loss": out.loss,
+                                "lr": out.lr, "grad_norm": gn, "tokens_per_s": tps, "mfu": mfu,
+                                "peak_mem_gb": peak_memory_gb(), "skipped_steps": self.skipped_steps,
+                                "skipped": out.skipped, "time_s": out.time_s})
+        self.metrics.advance()
+
+    def _stop_if_diverged(self, out: StepOutcome) -> None:
+        """Bad-step handling: ``optim.max_consecutive_bad_steps`` skipped steps in a row raise
+        :class:`TrainingDiverged` with a report naming the streak's first non-finite layer, its telemetry and
+        the last checkpoint written before the streak (collective)."""
+        cfg, streak = self.cfg, self.streak
+        if streak.length < cfg.optim.max_consecutive_bad_steps:
+            return
+        first = streak.first
+        first_layer = first.layer if first else None
+        tel_rank = first.rank if first else 0  # its telemetry from the rank that named it
+        tel_step, layer_tel = self._all_ranks(self._layer_telemetry(first_layer))[tel_rank]
+        if first:
+            where = "output" if first.where == "forward" else "input gradient"
+            text = (f"first non-finite value: the {where} of layer {first_layer} at step {streak.first_step}"
+                    + (f" (rank {first.rank})" if self.ps.world_size > 1 else ""))
+            text += (f"; its quantization telemetry at step {tel_step}: {_format_stats(layer_tel)}"
+                     if layer_tel else "; no telemetry of it was collected")
+        else:
+            text = "no quantized layer saw a non-finite value (the loss, or a module outside them)"
+        msg = (f"stopping at step {self.step}: {streak.length} consecutive steps with a non-finite "
+               f"loss or gradient (optim.max_consecutive_bad_steps={cfg.optim.max_consecutive_bad_steps}"
+               f"; {self.skipped_steps} skipped in total; last loss {out.loss}); {text}. The last good "
+               f"checkpoint is {streak.checkpoint_before or 'none (none was saved)'} (rerun with "
+               f"checkpoint.resume=auto to resume from it); lower schedule.lr or check precision "
+               f"(python -m nvfp4_train.precision.table)")
+        self.metrics.event("diverged", self.step, message=msg, first_nonfinite_layer=first_layer,
+                           first_nonfinite_step=streak.first_step if first else None,
+                           first_nonfinite_in=first.where if first else None,
+                           first_nonfinite_rank=first.rank if first else None, telemetry_step=tel_step,
+                           layer_telemetry=layer_tel, last_good_checkpoint=streak.checkpoint_before)
+        raise TrainingDiverged(msg)
+
+    def _handle_spike(self, out: StepOutcome) -> bool:
+        """Spike handling (``spike.*``): a good step whose loss is a spike is logged (and the next step
+        collects telemetry), or rolled back to the last checkpoint, skipping the data window since it. Returns
+        True when it rolled back; raises :class:`TrainingDiverged` when no rollback is left."""
+        cfg = self.cfg
+        if out.skipped or not self.spikes.observe(out.loss):
+            return False
+        loss, med = out.loss, self.spikes.median()
+        tel_step, layers = self.last_telemetry or (None, None)
+        self.metrics.event("loss_spike", self.step, loss=loss, median=med, factor=cfg.spike.factor,
+                           telemetry_step=tel_step, telemetry=layers)
+        self.metrics.note(f"step {self.step}: loss spike, {loss:.4f} > spike.factor {cfg.spike.factor} x "
+                          f"running median {med:.4f}")
+        if not cfg.spike.rollback:
+            self._telemetry_next = True  # the step after the spike records every layer's telemetry
+            return False
+        if self.rollbacks >= cfg.spike.max_rollbacks:
+            msg = (f"stopping at step {self.step}: loss spike ({loss:.4f} > spike.factor "
+                   f"{cfg.spike.factor} x running median {med:.4f}) with spike.max_rollbacks="
+                   f"{cfg.spike.max_rollbacks} rollbacks done. The last checkpoint is "
+                   f"{self.last_checkpoint or self.resumed_from or 'none (none was saved)'}; lower schedule.lr, or "
+                   f"raise spike.factor or spike.max_rollbacks")
+            self.metrics.event("diverged", self.step, message=msg)
+            raise TrainingDiverged(msg)
+        path = find_resume_checkpoint("auto", self.ckpt_dir, checksums=cfg.checkpoint.verify == "sha256")
+        if path is None:
+            self.metrics.note(f"step {self.step}: no checkpoint to roll back to yet; continuing")
+            return False
+        from_step = self.step
+        first, end = self._rollback(path)
+        self._batches = iter(self._loader(self.train_ds, end))
+        self.last_checkpoint, self.saved_step, self.streak = str(path), self.step, BadStreak()
+        if self.switched and self.step < self.switch_start:  # back before the precision switch
+            apply_precision_switch(_unwrap(self.ddp), self.layer_map, self.switch, step=self.step,
+                                   total_steps=self.sched.train_steps)
+            self.switched = False
+        self.metrics.event("rollback", self.step, from_step=from_step, checkpoint=str(path),
+                           skipped_samples=[first, end], rollbacks=self.rollbacks)
+        self.metrics.note(f"step {from_step}: rolled back to {path} (step {self.step}), skipping "
+                          f"training samples [{first}, {end}) (rollback {self.rollbacks} of "
+                          f"spike.max_rollbacks={cfg.spike.max_rollbacks})")
+        return True
+
+    def _evaluate_and_record(self) -> None:
+        self.last_val = self.evaluate()
+        self.eval_step = self.step
+        if self.last_val is not None:
+            self.metrics.eval(self.step, self.step * self.sched.tokens_per_step, self.last_val)
+
+    def _save_unless_in_streak(self, why: str) -> None:
+        """Checkpoint policy: save now, unless the run is in a streak of bad steps (a checkpoint then could
+        hold the state that is going wrong; the one before the streak stays the newest)."""
+        if self.streak.length:
+            self.metrics.event("checkpoint_skipped", self.step, why=why, bad_steps=self.streak.length,
+                               last_checkpoint=self.streak.checkpoint_before)
+            self.metrics.note(f"step {self.step}: no checkpoint ({why}): {self.streak.length} bad steps in a row; "
+                              f"the last checkpoint is {self.streak.checkpoint_before or 'none'}")
+            return
+        self.save()
+
+    def _stop_on_signal(self) -> None:
+        self.metrics.event("signal", self.step, signum=self._signals.signum)
+        self.metrics.note(f"step {self.step}: signal received, saving and stopping")
+        if self.cfg.checkpoint.save_on_signal and self.saved_step != self.step:
+            self._save_unless_in_streak("signal")
+
+    def _finish(self) -> None:
+        """The end of the run: a final evaluation (unless this step's was done, also by the run that saved
+        the checkpoint this one resumed from), a final checkpoint (``checkpoint.save_at_end``), the end event."""
+        if self.eval_step != self.step:
+            self._evaluate_and_record()
+        if self.cfg.checkpoint.save_at_end and self.saved_step != self.step:
+            self._save_unless_in_streak("checkpoint.save_at_end")
+        self.metrics.event("end", self.step, loss=self.last_loss, val_loss=self.last_val,
+                           skipped_steps=self.skipped_steps)
+
+    def _result(self, *, stopped: bool) -> TrainResult:
         return TrainResult(run_dir=str(self.run_dir), step=self.step,
-                           consumed_tokens=self.step * self.sched.tokens_per_step, loss=last_loss, val_loss=last_val,
-                           skipped_steps=self.skipped_steps, stopped_by_signal=stopped, checkpoint=last_ckpt,
-                           resumed_from=self.resumed_from)
+                           consumed_tokens=self.step * self.sched.tokens_per_step, loss=self.last_loss,
+                           val_loss=self.last_val, skipped_steps=self.skipped_steps,
+                           stopped_by_signal=stopped, checkpoint=self.last_checkpoint, resumed_from=self.resumed_from)

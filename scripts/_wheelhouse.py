@@ -55,8 +55,8 @@ except ImportError:  # pip always vendors packaging
     from pip._vendor.packaging.version import Version
 
 # ---------------------------------------------------------------------------------------------------------------
-# What the project's H200 machine already has (KINDS.md "Python packages already there", read on 2026-11-17),
-# with the versions its "pip list" row gives (2026-11). Packages with a known version are resolved against that
+# What the project's H200 machine already has (the image's list of preinstalled Python packages, read on
+# 2026-11-17), with the versions its "pip list" gives (2026-11). Packages with a known version are resolved against that
 # exact version; the others are assumed compatible (scripts/gpu_env.sh warns at install time if they are not).
 # Replace this with the cluster's own `python3 -m pip list --format=freeze` via --skip-present FILE when you can.
 H200_PRESENT_NAMES = """

@@ -47,22 +47,18 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from kernels.fp4_gemm import (  # noqa: E402
+from kernels.fp4_gemm import (
     GemmConfig,
     dequantize_fp4_blockwise_pair_triton,
     gemm_alpha_cublas,
     gemm_alpha_triton,
     scale_alpha_triton,
 )
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE  # noqa: E402
-from kernels.nvfp4 import (  # noqa: E402
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE
+from kernels.nvfp4 import (
     dequantize_nvfp4_ref,
     nvfp4_gemm,
     nvfp4_gemm_ref,
@@ -71,8 +67,8 @@ from kernels.nvfp4 import (  # noqa: E402
     quantize_nvfp4_rowcol,
     quantize_nvfp4_rowcol_ref,
 )
-from kernels.nvfp4.gemm import nvfp4_gemm_predequant  # noqa: E402
-from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha  # noqa: E402
+from kernels.nvfp4.gemm import nvfp4_gemm_predequant
+from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha
 
 M_TOKENS = 8192
 # (name, K, N) of the 12B model's linear layers (docs: GPU.md's table)

@@ -21,17 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from kernels.fp4_reference import seed_key  # noqa: E402
-from kernels.nvfp4.quantize import amax_triton, quantize_nvfp4_rowcol_triton  # noqa: E402
-from kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref  # noqa: E402
+from kernels.fp4_reference import seed_key
+from kernels.nvfp4.quantize import amax_triton, quantize_nvfp4_rowcol_triton
+from kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref
 
 M = 8192
 # (label, quantize-pass config, amax-pass config, modes)

@@ -26,8 +26,8 @@ usage: scripts/wheelhouse.sh [options]
   --platform TAG         target platform tag, repeatable (default manylinux_2_28_x86_64); manylinux_2_N is
                          expanded to every manylinux_2_M with M <= N and the legacy manylinux2014/2010/1 aliases
   --out DIR              where the wheels go (default wheelhouse/); its old *.whl files are replaced
-  --minimal              leave out what our H200 image already has (KINDS.md's package list, built into
-                         scripts/_wheelhouse.py with the versions known) -> a small folder to carry
+  --minimal              leave out what our H200 image already has (the image's package list, built into
+                         scripts/_wheelhouse.py with the versions known) -> a small folder to copy
   --skip-present FILE    leave out what FILE lists: the target's `python3 -m pip list --format=freeze` (exact:
                          resolves against those versions) or bare names (assumed compatible); repeatable
   --carry NAME           carry NAME although the skip list says the target has it (e.g. when

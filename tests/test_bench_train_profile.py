@@ -1,6 +1,7 @@
-"""Unit tests of bench_train.py's --profile arithmetic: the kernel-interval union, the categories, the summary
-and the kernel extraction, the host-blocking runtime calls (from synthetic events: the real ones need a GPU); and
-of --sync-debug's warning capture and stack grouping (fake warnings and a faked torch.cuda)."""
+"""Unit tests of the step profile's arithmetic (nvfp4_train.bench.profile, bench_train --profile): the kernel-interval
+union, the categories, the summary and the kernel extraction, the host-blocking runtime calls (from synthetic
+events: the real ones need a GPU); and of --sync-debug's warning capture and stack grouping (fake warnings and a
+faked torch.cuda)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts import bench_train
-from scripts.bench_train import (
+from nvfp4_train.bench import profile
+from nvfp4_train.bench.profile import (
     KERNEL_CATEGORIES,
     ROOT,
     cuda_kernels,
@@ -56,7 +57,7 @@ def test_union_length(intervals, length):
     ("multi_tensor_apply_kernel<AdamFunctor>", "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "nccl"),
     ("elementwise_kernel<128, 4>", "norm/elementwise/other"),
-    # PyTorch's own kernel names are full of "lambda": not the LAMB optimizer (seen on the H200, session 6)
+    # PyTorch's own kernel names are full of "lambda": not the LAMB optimizer (seen on the H200, 2026-11-29)
     ("elementwise_kernel<128, 2, gpu_kernel_impl_nocast<BinaryFunctor<float, MulFunctor<float> > >"
      "::{lambda(int)#1}>", "norm/elementwise/other"),
     ("multi_tensor_apply_kernel<lamb_stage1>", "optimizer"),
@@ -275,7 +276,7 @@ class _FakeCuda:
 
 def test_sync_debug_step(monkeypatch):
     fake = _FakeCuda()
-    monkeypatch.setattr(bench_train.torch, "cuda", fake)
+    monkeypatch.setattr(profile.torch, "cuda", fake)
 
     def step():
         assert fake.mode == "warn"
@@ -291,7 +292,7 @@ def test_sync_debug_step(monkeypatch):
 def test_sync_debug_step_restores_the_mode_on_error(monkeypatch):
     fake = _FakeCuda()
     fake.mode = 1
-    monkeypatch.setattr(bench_train.torch, "cuda", fake)
+    monkeypatch.setattr(profile.torch, "cuda", fake)
 
     def step():
         raise RuntimeError("boom")
@@ -302,5 +303,5 @@ def test_sync_debug_step_restores_the_mode_on_error(monkeypatch):
 
 
 def test_sync_debug_step_without_cuda(monkeypatch):
-    monkeypatch.setattr(bench_train.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: False)
     assert sync_debug_step(lambda: pytest.fail("must not run")) is None

@@ -1,4 +1,4 @@
-"""scripts/saved_census.py on the tiny model: its table's total must equal the saved bytes measured another way.
+"""The saved-tensor census (scripts/saved_census.py, nvfp4_train.bench.saved_census) on the tiny model: its table's total must equal the saved bytes measured another way.
 
 The independent measurement: a bare ``saved_tensors_hooks`` pack hook that keeps every saved tensor, the
 distinct storages among them (parameters and the inputs left out) summed, plus what the quantized layers
@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _INDEPENDENT = r"""
 import json, sys
 import torch
-sys.path.insert(0, ".")
-from scripts import saved_census as sc
+from nvfp4_train.bench import saved_census as sc
 path, recipe = sys.argv[1], sys.argv[2]
 if path == "gpu":
     sc.install_gpu_stand_ins("kernel")

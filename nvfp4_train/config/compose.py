@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_DIR", "register_configs", "compose_config", "check_known_keys"]
+__all__ = ["CONFIG_DIR", "register_configs", "compose_config", "check_known_keys", "check_finite"]
 
 CONFIG_DIR = Path(os.environ.get("NVFP4_TRAIN_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
 """The YAML tree (``configs/`` of the checkout; override with ``NVFP4_TRAIN_CONFIG_DIR``)."""
@@ -29,13 +29,84 @@ def compose_config(config_name: str, overrides: Sequence[str] = (), *, as_object
     dataclass validation (``__post_init__``) raises ``ValueError`` when converting to objects.
     """
     from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
     from omegaconf import OmegaConf
 
     register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+    except ConfigCompositionException as e:
+        raise ValueError(_explain(e)) from e
     check_known_keys(cfg)
+    check_finite(cfg)
     return OmegaConf.to_object(cfg) if as_object else cfg
+
+
+def check_finite(cfg) -> None:
+    """ValueError naming the first inf or NaN value of the config (``schedule.lr=inf``): no hyperparameter has
+    a meaning there, and one makes every update NaN."""
+    from nvfp4_train.config.schema import nonfinite_fields
+
+    bad = nonfinite_fields(cfg)
+    if bad:
+        key, value = bad[0]
+        raise ValueError(f"{key}={value} is not a finite number: give a finite value")
+
+
+def _schema_keys(typ, path: str = "") -> list[str]:
+    """Every dotted key of the dataclass schema ``typ`` (sections and their fields)."""
+    import dataclasses
+    import typing
+
+    keys = []
+    hints = typing.get_type_hints(typ)
+    for f in dataclasses.fields(typ):
+        full = f"{path}.{f.name}" if path else f.name
+        keys.append(full)
+        if dataclasses.is_dataclass(hints.get(f.name)):
+            keys += _schema_keys(hints[f.name], full)
+    return keys
+
+
+def _nearest_field(typ, name: str) -> str:
+    """`` (did you mean 'x'?)``: the field of dataclass ``typ`` nearest to ``name`` (difflib), else a key of
+    that name in another section (``optim.lr`` -> ``schedule.lr``), else ``""``."""
+    import dataclasses
+    import difflib
+
+    from nvfp4_train.config.schema import Config
+
+    if not dataclasses.is_dataclass(typ):
+        return ""
+    close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(typ)], n=1, cutoff=0.5)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    elsewhere = [k for k in _schema_keys(Config) if k.rsplit(".", 1)[-1] == name]
+    return f" (did you mean {elsewhere[0]!r}?)" if elsewhere else ""
+
+
+def _explain(e: Exception) -> str:
+    """Hydra's composition error with what OmegaConf found: the key, and the expected type (a wrong value) or
+    the nearest valid key (an unknown one). Anything else: Hydra's message."""
+    import dataclasses
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    typ = getattr(cause, "object_type", None)
+    if not key or not isinstance(cause, (ValidationError, ConfigAttributeError, ConfigKeyError)):
+        return str(e)
+    name = key.rsplit(".", 1)[-1]
+    first = str(cause).splitlines()[0]
+    if isinstance(cause, ValidationError):
+        fields = {f.name: f.type for f in dataclasses.fields(typ)} if dataclasses.is_dataclass(typ) else {}
+        expected = fields.get(name)
+        want = f": {key} expects {expected}" if expected is not None else f": {key}"
+        return f"{e}{want} ({first})"
+    return (f"unknown config key {key!r}: {getattr(typ, '__name__', 'the section')} has no field {name!r}"
+            f"{_nearest_field(typ, name)}")
 
 
 def check_known_keys(cfg, path: str = "") -> None:
@@ -55,10 +126,47 @@ def check_known_keys(cfg, path: str = "") -> None:
             full = f"{path}.{key}" if path else str(key)
             if fields is not None and key not in fields:
                 raise ValueError(
-                    f"unknown config key {full!r}: {typ.__name__} has no field {key!r} "
+                    f"unknown config key {full!r}: {typ.__name__} has no field {key!r}{_nearest_field(typ, str(key))} "
                     f"(fields: {', '.join(sorted(fields))})"
                 )
             check_known_keys(cfg._get_node(key), full)
     elif isinstance(cfg, ListConfig):
         for i in range(len(cfg)):
             check_known_keys(cfg._get_node(i), f"{path}[{i}]")
+
+
+def check_run(cfg, world_size: int) -> None:
+    """ValueError naming the key and the fix for what a run of ``cfg`` on ``world_size`` processes would
+    only find after the model is built: the parallel layout and the batch split, the layer precision map
+    (recipe names, rules), attention and Mamba heads vs tensor parallelism, the hybrid model's megatron config
+    (pipeline stages), and every quantized recipe's token block vs the tokens of a micro-batch."""
+    from nvfp4_train.precision.megatron_linear import token_block
+
+    par, sc, m = cfg.parallel, cfg.schedule, cfg.model
+    mp = par.tp * par.pp
+    if world_size % mp:
+        raise ValueError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {par.tp} * "
+                         f"{par.pp}: launch a multiple of {mp} processes")
+    dp = world_size // mp
+    if sc.global_batch_size % (sc.micro_batch_size * dp):
+        raise ValueError(f"schedule.global_batch_size={sc.global_batch_size} is not a multiple of "
+                         f"micro_batch_size * DP = {sc.micro_batch_size} * {dp}")
+    layer_map = cfg.precision.layer_map(m.pattern)
+    for key in ("num_attention_heads", "num_query_groups", "mamba_num_heads", "mamba_num_groups"):
+        value = getattr(m, key, None)
+        used = ("M" if key.startswith("mamba") else "*") in m.pattern
+        if used and value and value % par.tp:
+            raise ValueError(f"model.{key}={value} is not divisible by parallel.tp={par.tp}: each tensor-parallel "
+                             f"rank holds whole heads/groups; choose a tp that divides it")
+    if cfg.experiment.model_provider is None:
+        from models.build import transformer_config
+
+        transformer_config(m, tp=par.tp, pp=par.pp, sequence_parallel=par.sequence_parallel)
+    tokens = sc.micro_batch_size * cfg.data.seq_length
+    for name, recipe in layer_map.recipes.items():
+        block = token_block(recipe)
+        if tokens % block:
+            raise ValueError(f"recipe {name!r} quantizes the weight-gradient operands in blocks of {block} tokens, "
+                             f"but a micro-batch has schedule.micro_batch_size * data.seq_length = "
+                             f"{sc.micro_batch_size} * {cfg.data.seq_length} = {tokens}: make it a multiple of "
+                             f"{block}, or keep those layers in bf16 with precision rules")

@@ -473,6 +473,16 @@ class PretrainingBatchSampler:
             yield list(range(start + lo, start + lo + self.micro_batch_size))
 
 
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """A DataLoader worker's init: SIGTERM, SIGUSR1 and SIGINT sent to the whole process group (Slurm,
+    ``timeout``, Ctrl-C) are the training process's to handle (it saves and exits); a worker killed by one
+    would fail the run before it could save. The worker still ends with its loader, or with its parent."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def build_data_loader(dataset, *, micro_batch_size: int, consumed_samples: int = 0, dp_rank: int = 0,
                       dp_size: int = 1, num_workers: int = 0):
     """A DataLoader over `dataset` (from `build_datasets`) yielding this rank's micro-batches as dicts of
@@ -483,4 +493,4 @@ def build_data_loader(dataset, *, micro_batch_size: int, consumed_samples: int =
                                       micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False,
-        persistent_workers=num_workers > 0)
+        persistent_workers=num_workers > 0, worker_init_fn=_ignore_stop_signals if num_workers > 0 else None)

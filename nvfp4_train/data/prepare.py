@@ -161,14 +161,14 @@ def read_text_file(path: Path, encoding: str = "utf-8") -> Iterator[str]:
         raise ValueError(f"{path}: not valid {encoding} ({e.reason} at byte {e.start}); pass --encoding") from None
 
 
-def read_hf(path: Path, text_field: str, hf_split: str) -> Iterator[str | None]:
+def read_hf(path: Path, text_field: str, hf_split: str, split_option: str = "--hf-split") -> Iterator[str | None]:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
 
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if hf_split not in ds:
-            raise ValueError(f"{path}: no split {hf_split!r} (splits: {list(ds)}); choose it with --hf-split")
+            raise ValueError(f"{path}: no split {hf_split!r} (splits: {list(ds)}); choose it with {split_option}")
         ds = ds[hf_split]
     if text_field not in ds.column_names:
         raise ValueError(f"{path}: no column {text_field!r} (columns: {ds.column_names}); "
@@ -178,15 +178,16 @@ def read_hf(path: Path, text_field: str, hf_split: str) -> Iterator[str | None]:
 
 
 def iter_documents(paths: Sequence[str | os.PathLike], *, text_field: str = "text", hf_split: str = "train",
-                   encoding: str = "utf-8") -> Iterator[str | None]:
-    """The documents of `paths` in order; None for a null text field."""
+                   encoding: str = "utf-8", split_option: str = "--hf-split") -> Iterator[str | None]:
+    """The documents of `paths` in order; None for a null text field. `split_option` names the option that
+    chooses `hf_split` (in errors)."""
     for kind, p in expand_inputs(paths):
         if kind == "jsonl":
             yield from read_jsonl(p, text_field, encoding)
         elif kind == "parquet":
             yield from read_parquet(p, text_field)
         elif kind == "hf":
-            yield from read_hf(p, text_field, hf_split)
+            yield from read_hf(p, text_field, hf_split, split_option)
         else:
             yield from read_text_file(p, encoding)
 
@@ -283,12 +284,14 @@ def _current(prefixes: dict[str, Path], fp: dict) -> bool:
 def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike, *,
             valid_inputs: Sequence[str | os.PathLike] | None = None, valid_fraction: float = 0.01,
             tokenizer: BPETokenizer | str | os.PathLike | None = None, text_field: str = "text",
-            hf_split: str = "train", encoding: str = "utf-8", workers: int = 1, force: bool = False,
-            log=print) -> PrepareResult:
+            hf_split: str = "train", valid_hf_split: str = "validation", encoding: str = "utf-8", workers: int = 1,
+            force: bool = False, log=print) -> PrepareResult:
     """Tokenize `inputs` into ``<output_prefix>_train`` and ``<output_prefix>_validation`` datasets.
 
     Validation comes from `valid_inputs` when given, else from a `valid_fraction` of the documents chosen by
-    text hash (0 writes no validation split).
+    text hash (0 writes no validation split). A ``datasets`` DatasetDict gives its `hf_split` split among
+    `inputs`, its `valid_hf_split` split among `valid_inputs` (so one DatasetDict given as both gives its
+    training and its validation split, never the training split twice).
     """
     t0 = time.time()
     if not inputs:
@@ -313,6 +316,8 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
         "hf_split": hf_split,
         "encoding": encoding,
     }
+    if valid_inputs:
+        fp["valid_hf_split"] = valid_hf_split
     result = PrepareResult(prefixes={s: str(p) for s, p in prefixes.items()})
     if not force and _current(prefixes, fp):
         for s, p in prefixes.items():
@@ -329,8 +334,8 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
     streams = [(iter_documents(inputs, text_field=text_field, hf_split=hf_split, encoding=encoding),
                 "train" if valid_inputs else None)]
     if valid_inputs:
-        streams.append((iter_documents(valid_inputs, text_field=text_field, hf_split=hf_split,
-                                       encoding=encoding), "validation"))
+        streams.append((iter_documents(valid_inputs, text_field=text_field, hf_split=valid_hf_split,
+                                       encoding=encoding, split_option="--valid-hf-split"), "validation"))
     batch_chars = 4_000_000
     last_log = time.time()
 
@@ -419,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the project's committed one)")
     ap.add_argument("--eod-token", default=None, help="end-of-document token of a custom tokenizer")
     ap.add_argument("--text-field", default="text", help="JSON field / Parquet or datasets column (default: text)")
-    ap.add_argument("--hf-split", default="train", help="split of a DatasetDict directory (default: train)")
+    ap.add_argument("--hf-split", default="train", help="split of a DatasetDict directory given as --input "
+                                                         "(default: train)")
+    ap.add_argument("--valid-hf-split", default="validation",
+                    help="split of a DatasetDict directory given as --valid-input (default: validation)")
     ap.add_argument("--encoding", default="utf-8", help="encoding of JSONL and text files (default: utf-8)")
     ap.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                     help="encoding threads (default: min(4, cores)); the output does not depend on it")
@@ -428,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = BPETokenizer(args.tokenizer, eod_token=args.eod_token)
     try:
         prepare(args.input, args.output_prefix, valid_inputs=args.valid_input, valid_fraction=args.valid_fraction,
-                tokenizer=tok, text_field=args.text_field, hf_split=args.hf_split, encoding=args.encoding,
+                tokenizer=tok, text_field=args.text_field, hf_split=args.hf_split,
+                valid_hf_split=args.valid_hf_split, encoding=args.encoding,
                 workers=args.workers, force=args.force)
     except (FileNotFoundError, ValueError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)

@@ -8,6 +8,8 @@ builds them through ``build_module``:
 
     recipe      the layer's precision (default: bf16)
     layer_name  the name in the layer precision map (``"12.mlp.fc1"``), used in errors and telemetry
+    block, role the global block index and role the layer precision map resolved ``recipe`` from (None, "":
+                a layer outside the map); kept with ``recipe`` as ``base_recipe`` for the precision switch
     seed        the stochastic-rounding seed, mixed with the layer name so layers draw different bits
 
 Communication is megatron's, exactly:
@@ -150,12 +152,14 @@ class _QuantLayer:
     lctx: LinearContext
     quant_telemetry: LayerTelemetry
 
-    def _init_quant(self, recipe: QuantRecipe, layer_name: str, seed: int, out_f: int, in_f: int) -> None:
+    def _init_quant(self, recipe: QuantRecipe, layer_name: str, seed: int, out_f: int, in_f: int,
+                    block: int | None, role: str) -> None:
         if not isinstance(recipe, QuantRecipe):
             raise TypeError(f"layer {layer_name!r}: recipe must be a QuantRecipe, got {type(recipe).__name__}")
         if not isinstance(layer_name, str):
             raise TypeError(f"layer_name must be a str, got {type(layer_name).__name__}")
         self.layer_name = layer_name
+        self.block, self.role, self.base_recipe = block, role, recipe
         self._weight_shape = (out_f, in_f)
         group = self.tp_group if get_pg_size(self.tp_group) > 1 else None
         self.lctx = LinearContext(recipe=recipe, seed=layer_stream(seed, layer_name), amax_group=group,
@@ -246,12 +250,14 @@ class QuantColumnParallelLinear(_QuantLayer, ColumnParallelLinear):
         recipe: QuantRecipe = BF16,
         layer_name: str = "",
         seed: int = 0,
+        block: int | None = None,
+        role: str = "",
         **kwargs,
     ):
         _refuse_grad_accum_fusion(config, layer_name)
         ColumnParallelLinear.__init__(self, input_size, output_size, config=config, init_method=init_method,
                                       **kwargs)
-        self._init_quant(recipe, layer_name, seed, self.output_size_per_partition, self.input_size)
+        self._init_quant(recipe, layer_name, seed, self.output_size_per_partition, self.input_size, block, role)
 
     def _quantized_forward(self, input, weight, *, bias, gradient_accumulation_fusion, allreduce_dgrad,
                            sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None,
@@ -282,12 +288,14 @@ class QuantRowParallelLinear(_QuantLayer, RowParallelLinear):
         recipe: QuantRecipe = BF16,
         layer_name: str = "",
         seed: int = 0,
+        block: int | None = None,
+        role: str = "",
         **kwargs,
     ):
         _refuse_grad_accum_fusion(config, layer_name)
         RowParallelLinear.__init__(self, input_size, output_size, config=config, init_method=init_method,
                                    **kwargs)
-        self._init_quant(recipe, layer_name, seed, self.output_size, self.input_size_per_partition)
+        self._init_quant(recipe, layer_name, seed, self.output_size, self.input_size_per_partition, block, role)
 
     def _quantized_forward(self, input, weight, *, bias, grad_output_buffer=None, allreduce_dgrad=False,
                            sequence_parallel=False, **_unused):

@@ -175,3 +175,18 @@ def test_cli(tmp_path, capsys, docs, jsonl):
     assert (tmp_path / "c_train.idx").is_file() and not (tmp_path / "c_validation.idx").exists()
     assert main(["--input", str(path), "--output-prefix", str(tmp_path / "d")]) == 2
     assert "in.jsonl:1: no field 'text'" in capsys.readouterr().err
+
+
+def test_a_datasetdict_given_as_validation_gives_its_validation_split(tmp_path, tok, docs):
+    """``--hf-split`` chose the split of --valid-input too: one DatasetDict given as --input and --valid-input
+    gave its train split twice (validation = training data). Validation now takes ``--valid-hf-split``."""
+    datasets = pytest.importorskip("datasets")
+    train, valid = docs[:6], docs[6:9]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train}),
+                          "validation": datasets.Dataset.from_dict({"text": valid})}).save_to_disk(str(tmp_path / "d"))
+    prepare([tmp_path / "d"], tmp_path / "o", valid_inputs=[tmp_path / "d"], tokenizer=tok, log=quiet)
+    assert [x.tolist() for x in read_docs(tmp_path / "o_train")] == expected(tok, train)
+    assert [x.tolist() for x in read_docs(tmp_path / "o_validation")] == expected(tok, valid)
+    with pytest.raises(ValueError, match="no split 'dev'.*choose it with --valid-hf-split"):
+        prepare([tmp_path / "d"], tmp_path / "p", valid_inputs=[tmp_path / "d"], valid_hf_split="dev", tokenizer=tok,
+                log=quiet)

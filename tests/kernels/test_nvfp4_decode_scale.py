@@ -1,7 +1,7 @@
 """The NVFP4 tensor decode scale ``amax / 2688`` and the GEMM factor ``alpha`` are correctly rounded fp32
 divisions on every device.
 
-Found on the H200 (session 4): PyTorch's CUDA division by a CPU scalar multiplies by the rounded reciprocal,
+Found on the H200 (2026-11-29): PyTorch's CUDA division by a CPU scalar multiplies by the rounded reciprocal,
 which differs from the correctly rounded quotient in the last bit for about a fifth of all inputs, so half of
 the random draws of ``test_nvfp4_gemm.py::test_exact_partial_sums`` failed on the GPU (every output 1 ulp
 off, every GEMM variant alike) while the CPU reference and the interpreter agreed. The comparison value here

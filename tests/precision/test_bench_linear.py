@@ -16,7 +16,7 @@ def test_bench_linear_quick(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_linear.py"), "--quick", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # tiny GEMMs: threads only contend
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})  # tiny GEMMs: threads only contend
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "## targets" in proc.stdout and "| nvfp4 |" in proc.stdout
     res = json.loads(out.read_text())
@@ -44,7 +44,7 @@ def test_bench_linear_profile_lists_the_ops(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_linear.py"), "--quick", "--recipes", "nvfp4",
                            "--shapes", "mlp.fc1", "--profile", "nvfp4", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "### mlp.fc1, nvfp4: GPU kernels per fwd+bwd" in proc.stdout
     rows = {r["recipe"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}

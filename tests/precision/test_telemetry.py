@@ -23,7 +23,7 @@ from nvfp4_train.precision.telemetry import (
     set_nonfinite_check,
     set_telemetry,
 )
-from scripts._aten_ops import launches_kernel
+from nvfp4_train.bench.aten_ops import launches_kernel
 from tests.precision.mcore_util import column, config, megatron_single_rank, row
 
 

@@ -31,8 +31,6 @@ def test_precision_switch_sets_each_layers_recipe_in_effect():
     switch = PrecisionSwitch(mode="fprop_bf16", at_fraction=0.82)
     lmap = LayerPrecisionMap("M-*-M-M-M-M-", "nvfp4", keep_first=1, keep_last=1, switch=switch)
     layers = [_Layer(0, "mamba.in_proj"), _Layer(2, "attention.qkv"), _Layer(5, "mlp.fc2")]
-    layers[2].layer_name = "blocks.5.mlp.fc2"  # models.hybrid names its layers so
-    del layers[2].block, layers[2].role
     model = _Model(layers)
     assert switch.start_step(100) == 82
     assert apply_precision_switch(model, lmap, switch, step=81, total_steps=100) == 3
@@ -80,7 +78,7 @@ def test_metrics_jsonl_records_and_last_write_wins(tmp_path):
 
 
 def test_plot_runs_writes_a_png(tmp_path):
-    from scripts.plot_runs import plot_runs
+    from nvfp4_train.experiments.plots import plot_runs
 
     for name, scale in (("base", 1.0), ("other", 1.01)):
         d = tmp_path / name

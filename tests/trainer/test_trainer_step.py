@@ -1,0 +1,64 @@
+"""``Trainer`` built without running, stepped by ``train_step()`` (in this process, one rank, CPU, the GPTModel
+stand-in): the step ``run()`` loops over, and a step whose update would be non-finite is a bad step."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from nvfp4_train.config import compose_config
+from nvfp4_train.metrics import load_metrics
+from nvfp4_train.trainer import StepOutcome, Trainer
+from tests.trainer.runs import TINY
+
+
+@pytest.fixture
+def one_process_env():
+    """``setup_parallel`` writes the one-process rendezvous into ``os.environ``; undo it after the test."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    yield
+    for k in keys:
+        os.environ.pop(k, None)
+    os.environ.update(saved)
+
+
+def _cfg(run_dir, *extra):
+    return compose_config("train", [*TINY, "schedule.train_steps=3", "checkpoint.save_at_end=false",
+                                    "data.num_workers=0", f"experiment.run_dir={run_dir}", *extra])
+
+
+def test_train_step_is_the_step_run_loops_over(tmp_path, one_process_env):
+    with Trainer(_cfg(tmp_path / "run")) as t:
+        t.run()
+    want = [r["loss"] for r in load_metrics(tmp_path / "run")]
+    with Trainer(_cfg(tmp_path / "steps")) as t:
+        outs = [t.train_step() for _ in range(3)]
+        assert t.step == 3 and not (tmp_path / "steps" / "checkpoints").exists()
+    assert all(isinstance(o, StepOutcome) and not o.skipped and o.reason is None for o in outs)
+    assert [o.step for o in outs] == [1, 2, 3]
+    assert [o.loss for o in outs] == want  # bitwise: the same step, the same data
+    assert all(math.isfinite(float(o.grad_norm)) for o in outs)
+
+
+def test_a_non_finite_learning_rate_skips_the_update(tmp_path, one_process_env, monkeypatch):
+    """A NaN learning rate reaching the optimizer (the issue's ``schedule.lr=inf``, now refused at config time,
+    gave NaN at the first warmup step and a finite loss) would make every weight NaN: the step is a bad step,
+    skipped and counted, and the weights are untouched."""
+    with Trainer(_cfg(tmp_path / "nan")) as t:
+        resolved = type(t.lr_schedule.resolved)
+        lr_at_step = resolved.lr_at_step
+        monkeypatch.setattr(resolved, "lr_at_step", lambda self, step: math.nan if step == 1 else lr_at_step(self, step))
+        t.train_step()
+        before = [p.detach().clone() for p in t.ddp.module.parameters()]
+        out = t.train_step()
+        assert (out.skipped, out.reason, out.grad_norm, out.step) == (True, "non-finite learning rate", None, 2)
+        assert math.isfinite(out.loss) and math.isnan(out.lr)
+        assert t.skipped_steps == 1 and t.streak.length == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, t.ddp.module.parameters()))
+        nxt = t.train_step()
+        assert not nxt.skipped and t.streak.length == 0 and t.skipped_steps == 1
+        assert all(torch.isfinite(p).all() for p in t.ddp.module.parameters())
