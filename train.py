@@ -5,7 +5,8 @@
 
 Hydra's compose API (not ``@hydra.main``): no output directory per launch or rank; the run directory is
 ``experiment.run_dir`` (default ``runs/<experiment.name>``), shared by all ranks. See docs/training.md.
-Exit status: 0 done or stopped cleanly by SIGTERM/SIGUSR1 (checkpoint saved), 2 bad config, 3 diverged.
+Exit status: 0 done or stopped cleanly by SIGTERM/SIGUSR1 (checkpoint saved), 2 bad config, 3 diverged,
+4 a checkpoint could not be written (no space, a file-size limit, a read-only directory; earlier ones intact).
 """
 
 import sys
@@ -22,6 +23,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # Hydra / OmegaConf / schema validation: the message names the key or value
         print(f"train.py: config error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    from nvfp4_train.checkpoint import CheckpointWriteError
     from nvfp4_train.trainer import TrainingDiverged, train
 
     try:
@@ -29,6 +31,9 @@ def main(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 3
+    except CheckpointWriteError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 4
     return 0
 
 
