@@ -34,7 +34,6 @@ moments (a warning says so). (Its ``fully_sharded_model_space`` format is refuse
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -133,7 +132,7 @@ class CheckpointWriteError(CheckpointError):
 
     def __init__(self, path: str | os.PathLike, reason: str) -> None:
         self.path, self.reason = str(path), reason
-        super().__init__(f"checkpoint {path} not written: {reason}")
+        super().__init__(f"cannot write {path}: {reason}")
 
 
 def step_dir_name(step: int) -> str:
@@ -264,9 +263,9 @@ def check_writable(directory: str | os.PathLike) -> None:
             os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise CheckpointWriteError(directory, f"{directory} is not writable ({_os_reason(e, directory)}): "
-                                              f"fix its permissions or set checkpoint.dir to a writable "
-                                              f"directory") from None
+        raise CheckpointWriteError(directory, f"{_os_reason(e, directory)}, found before the first step: fix "
+                                              f"its permissions or set experiment.run_dir / checkpoint.dir to a "
+                                              f"writable directory") from None
 
 
 def _os_reason(e: BaseException, where: Path) -> str:
@@ -883,12 +882,19 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     naming the file and the class) for anything else; True loads as torch and megatron-core do."""
     from megatron.core import dist_checkpointing
 
-    from nvfp4_train.mcore_compat.safe_load import restricted_checkpoint_loading, safe_torch_load
+    from nvfp4_train.mcore_compat.safe_load import restricted_checkpoint_loading, safe_torch_load, untrusted_cause
 
     def dist_load(sharded: dict) -> dict:
-        guard = contextlib.nullcontext() if trust else restricted_checkpoint_loading(path / "dist")
-        with guard:
+        if trust:
             return dist_checkpointing.load(sharded, str(path / "dist"))
+        try:
+            with restricted_checkpoint_loading(path / "dist"):
+                return dist_checkpointing.load(sharded, str(path / "dist"))
+        except Exception as e:  # a refusal reaches us wrapped in torch's per-rank CheckpointException
+            refused = untrusted_cause(e)
+            if refused is None or refused is e:
+                raise
+            raise refused from None
 
     clock = _PhaseClock(timings)
     path = Path(path)

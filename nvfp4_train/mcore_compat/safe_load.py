@@ -37,6 +37,7 @@ __all__ = [
     "check_torch_file",
     "safe_torch_load",
     "restricted_checkpoint_loading",
+    "untrusted_cause",
 ]
 
 DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
@@ -70,6 +71,10 @@ class UntrustedPickleError(ValueError):
             f"{path}{f' ({what})' if what else ''} holds a pickled {name}, which is not in the allow-list of "
             f"what this file may hold: refusing to load it (it could run code). Use checkpoints only from "
             f"sources you trust; set checkpoint.trust=true only for a checkpoint you wrote yourself")
+        self._what = what
+
+    def __reduce__(self):  # torch's distributed checkpoint re-raises a rank's error from a pickled copy
+        return (type(self), (self.path, self.name, self._what))
 
 
 def _is_allowed_metadata_global(module: str, name: str) -> bool:
@@ -186,6 +191,27 @@ def _load_bytes_restricted(self, read_item, value: io.BytesIO) -> None:
 
 
 _CURRENT_DIR: list[str] = []
+
+
+def untrusted_cause(exc: BaseException) -> UntrustedPickleError | None:
+    """The :class:`UntrustedPickleError` behind ``exc``, if any: torch 2.13's distributed checkpoint gathers
+    each rank's read error and raises a ``CheckpointException`` holding them (``.failures``: rank ->
+    (exception, traceback)), which megatron-core 0.16.1 may wrap again."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UntrustedPickleError):
+            return e
+        for failure in (getattr(e, "failures", None) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                todo.append(inner)
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return None
 
 
 @contextlib.contextmanager
