@@ -6,20 +6,27 @@ Layout of ``<checkpoint dir>`` (default ``<run_dir>/checkpoints``)::
         dist/                 megatron dist-checkpoint: model and distributed-optimizer state (sharded,
                               reshardable over TP/PP for the model, over DP for the optimizer: see below)
         rng/rank_00000.pt     python, numpy, torch CPU, CUDA and megatron-tracker RNG states of each rank
+                              (tensors, tuples and numbers only: ``torch.load(weights_only=True)`` reads it)
         trainer_state.json    step, consumed samples and tokens, skipped steps, schedule, parallel layout
         config.yaml           the resolved config of the run that wrote it
-        manifest.json         size and sha256 of every file above: written LAST
+        manifest.json         size and sha256 of every file above, and ``meta.finite`` (were all model
+                              weights finite at save time): written LAST
     latest                    the name of the newest complete checkpoint (replaced atomically)
 
 Saving (all ranks): write everything into ``.tmp_step_0000100/``, hash the files (spread over the ranks, and
 within a rank over threads, one whole file each), write ``manifest.json`` (via a temporary name and
 ``os.replace``), rename the directory to ``step_0000100``, replace ``latest``, delete all but the newest
-``keep_last``. A crash at any point leaves the previous
-checkpoints and ``latest`` untouched (a stale ``.tmp_*`` is removed by the next save).
+``keep_last`` and the newest finite one (each renamed to ``.trash_*`` first). A crash at any point leaves the
+previous checkpoints and ``latest`` untouched (a stale ``.tmp_*`` or ``.trash_*`` is removed by the next
+save). A save first checks the free space against the last checkpoint's size; a failed write removes the
+partial ``.tmp_*`` and raises :class:`CheckpointWriteError` (``train.py`` exits 4).
 
-Loading verifies the manifest first (every file present, sizes and, by default, sha256) and names the first
-bad or missing file. ``resume=auto`` tries the checkpoints newest first (``latest`` names the newest; it is for
-people and tools) and warns for each one it has to skip. A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
+Loading verifies the manifest first (every file present and none it does not list, sizes and, by default,
+sha256) and names the first bad, missing or added file. ``resume=auto`` tries the checkpoints newest first
+(``latest`` names the newest; it is for people and tools), skips those whose weights were not finite, and
+warns for each one it has to skip (:func:`newest_good_checkpoint` is the same choice, quietly). With
+``checkpoint.trust=false`` (the default) nothing a checkpoint holds is unpickled outside an allow-list
+(``nvfp4_train.mcore_compat.safe_load``; docs/reliability.md, threat model). A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
 a fallback.
 
 Resharding: megatron reshards the model state between any TP/PP/DP layouts. The distributed-optimizer state

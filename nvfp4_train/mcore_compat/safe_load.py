@@ -11,6 +11,12 @@ Three places of the resume path unpickle with torch's or Python's permissive loa
 - megatron-core 0.16.1 reads ``dist/common.pt`` and sharded-object ``*.pt`` files with ``torch.load``'s
   default, which is ``weights_only=True`` unless the environment sets ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``.
 
+"torch's ``weights_only`` allow-list" below is what ``torch.load(weights_only=True)`` accepts in the
+process: torch's own (tensors, containers, numbers, strings, dtypes) plus what megatron-core 0.16.1
+registers when it is imported (``megatron.core.safe_globals.SAFE_GLOBALS``: numpy arrays and dtypes,
+``argparse.Namespace``, ``SimpleNamespace``, ``PosixPath``, ``BytesIO``, a few of its enums and config
+dataclasses). None of those runs code when unpickled; each is rebuilt by the same restricted unpickler.
+
 :func:`restricted_checkpoint_loading` replaces the first two, for the duration of a ``with`` block, by loads
 that accept only an allow-list (:data:`DCP_METADATA_GLOBALS` and torch dtypes for the metadata; torch's own
 ``weights_only`` allow-list for byte items), and :func:`check_torch_file` scans a ``torch.save`` file's

@@ -158,19 +158,19 @@ def test_payloads_run_under_permissive_loads(saved, tmp_path):
 
 def test_trust_true_loads_what_trust_false_refuses(saved, tmp_path):
     """``checkpoint.trust=true`` restores the permissive loads, for a checkpoint you wrote yourself: an RNG
-    file in the older form (numpy's state as an ``ndarray``, which ``weights_only`` refuses) resumes."""
-    import numpy as np
+    file holding a class outside the allow-list (a harmless ``datetime.date``) is refused by default, naming
+    the file and the class, and resumes with trust."""
+    import datetime
 
     run_dir, step_dir = _copy(saved, tmp_path)
     f = step_dir / "rng" / "rank_00000.pt"
     state = torch.load(f, weights_only=True)
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    state["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss)
+    state["extra"]["written"] = datetime.date(2026, 12, 1)
     torch.save(state, f)
     _reseal(step_dir)
     log = tmp_path / "refused.txt"
-    assert run([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}"], log=log) == 1
-    assert f"{f}" in tail(log, 5) and "numpy" in tail(log, 5)
+    assert run([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}"], log=log) == 1, tail(log)
+    assert f"{f} holds a pickled datetime.date" in tail(log, 5)
     log = tmp_path / "trusted.txt"
     assert run([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}", "checkpoint.trust=true"],
                log=log) == 0, tail(log)
