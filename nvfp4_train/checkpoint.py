@@ -327,6 +327,7 @@ def _write_failure(root: Path, e: BaseException) -> str:
     wrap it: ``RuntimeError: Worker failure``, ``unexpected pos``) what the file system says now."""
     import resource
 
+    e = _rank_failure(e)
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -346,6 +347,18 @@ def _write_failure(root: Path, e: BaseException) -> str:
             reason = f"writing under {root} failed"
         reason += f" ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     return reason + "; the earlier checkpoints are intact, the partial one was removed"
+
+
+def _rank_failure(e: BaseException) -> BaseException:
+    """The first rank's error inside torch's ``CheckpointException`` (``.failures``: rank -> exception, or
+    (exception, traceback)), which megatron-core 0.16.1's save raises for its writers' failures."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return _rank_failure(inner)
+    return e
 
 
 def write_manifest(directory: str | os.PathLike, *, step: int, meta: dict, threads: int | None = None) -> dict:
@@ -847,10 +860,12 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
     meta = {**meta, "optim_format": optim_format, "finite": weights_finite(ddp.module)}
     state = _sharded_state(ddp, optimizer, is_loading=False, optim_format=optim_format)
     clock.lap("sharded_state")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dist_checkpointing.save(state, str(tmp / "dist"))
-    except (OSError, RuntimeError) as e:  # megatron-core 0.16.1 wraps its writers' OSError: "Worker failure"
-        err = _write_failure(root, e)
+    except (OSError, RuntimeError, CheckpointException) as e:  # megatron-core 0.16.1: CheckpointException of
+        err = _write_failure(root, e)  # its writers' "RuntimeError: Worker failure" (the OSError is lost)
     del state
     fail_if(err)
     clock.lap("dist_save")

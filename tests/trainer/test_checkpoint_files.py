@@ -308,6 +308,23 @@ def test_a_writer_failure_is_named_through_its_wrapper(tmp_path, code, words):
     assert words in reason and str(tmp_path) in reason and "partial one was removed" in reason
 
 
+def test_a_writer_failure_without_an_os_error_is_named_from_the_file_system(tmp_path, monkeypatch):
+    """megatron-core 0.16.1's save raises torch's ``CheckpointException`` holding each rank's ``RuntimeError:
+    Worker failure`` (the worker's OSError is lost): the reason comes from the free space and the limit."""
+    import resource
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    e = CheckpointException("write", {0: (RuntimeError("Worker failure: unexpected pos 704 vs 598"), None)})
+    usage = ckpt.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    assert ckpt._write_failure(tmp_path, e).startswith(f"no space left on {tmp_path} (4096 B free) (RuntimeError: "
+                                                       f"Worker failure: unexpected pos 704 vs 598)")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=1 << 40))
+    monkeypatch.setattr(resource, "getrlimit", lambda r: (4 << 20, resource.RLIM_INFINITY))
+    assert "file-size limit of 4.0 MiB" in ckpt._write_failure(tmp_path, e)
+
+
 def test_check_writable_before_the_first_step(tmp_path, monkeypatch):
     check_writable(tmp_path / "a" / "b")  # created
     assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
