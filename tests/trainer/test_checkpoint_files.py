@@ -318,7 +318,7 @@ def test_a_writer_failure_without_an_os_error_is_named_from_the_file_system(tmp_
     e = CheckpointException("write", {0: (RuntimeError("Worker failure: unexpected pos 704 vs 598"), None)})
     usage = ckpt.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=4096))
-    assert ckpt._write_failure(tmp_path, e).startswith(f"no space left on {tmp_path} (4096 B free) (RuntimeError: "
+    assert ckpt._write_failure(tmp_path, e).startswith(f"no space left on {tmp_path} (4.0 KiB free) (RuntimeError: "
                                                        f"Worker failure: unexpected pos 704 vs 598)")
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=1 << 40))
     monkeypatch.setattr(resource, "getrlimit", lambda r: (4 << 20, resource.RLIM_INFINITY))
