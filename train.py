@@ -6,7 +6,8 @@
 Hydra's compose API (not ``@hydra.main``): no output directory per launch or rank; the run directory is
 ``experiment.run_dir`` (default ``runs/<experiment.name>``), shared by all ranks. See docs/training.md.
 Exit status: 0 done, or stopped cleanly by SIGTERM/SIGUSR1 (checkpoint saved; before the first step: nothing
-to save); 2 bad config (one line naming the key), or the run directory is in use by another run; 3 diverged.
+to save); 2 bad config (one line naming the key), or the run directory is in use by another run; 3 diverged;
+4 a checkpoint could not be written (no space, a file-size limit, a read-only directory; earlier ones intact).
 """
 
 import os
@@ -48,6 +49,7 @@ def _run(argv: list[str]) -> int:
     except Exception as e:  # Hydra / OmegaConf / schema validation: the message names the key or value
         print(f"train.py: config error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    from nvfp4_train.checkpoint import CheckpointWriteError
     from nvfp4_train.trainer import RunDirLocked, TrainingDiverged, train
 
     try:
@@ -58,6 +60,9 @@ def _run(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 3
+    except CheckpointWriteError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 4
     return 0
 
 

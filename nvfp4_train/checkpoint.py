@@ -6,20 +6,27 @@ Layout of ``<checkpoint dir>`` (default ``<run_dir>/checkpoints``)::
         dist/                 megatron dist-checkpoint: model and distributed-optimizer state (sharded,
                               reshardable over TP/PP for the model, over DP for the optimizer: see below)
         rng/rank_00000.pt     python, numpy, torch CPU, CUDA and megatron-tracker RNG states of each rank
+                              (tensors, tuples and numbers only: ``torch.load(weights_only=True)`` reads it)
         trainer_state.json    step, consumed samples and tokens, skipped steps, schedule, parallel layout
         config.yaml           the resolved config of the run that wrote it
-        manifest.json         size and sha256 of every file above: written LAST
+        manifest.json         size and sha256 of every file above, and ``meta.finite`` (were all model
+                              weights finite at save time): written LAST
     latest                    the name of the newest complete checkpoint (replaced atomically)
 
 Saving (all ranks): write everything into ``.tmp_step_0000100/``, hash the files (spread over the ranks, and
 within a rank over threads, one whole file each), write ``manifest.json`` (via a temporary name and
 ``os.replace``), rename the directory to ``step_0000100``, replace ``latest``, delete all but the newest
-``keep_last``. A crash at any point leaves the previous
-checkpoints and ``latest`` untouched (a stale ``.tmp_*`` is removed by the next save).
+``keep_last`` and the newest finite one (each renamed to ``.trash_*`` first). A crash at any point leaves the
+previous checkpoints and ``latest`` untouched (a stale ``.tmp_*`` or ``.trash_*`` is removed by the next
+save). A save first checks the free space against the last checkpoint's size; a failed write removes the
+partial ``.tmp_*`` and raises :class:`CheckpointWriteError` (``train.py`` exits 4).
 
-Loading verifies the manifest first (every file present, sizes and, by default, sha256) and names the first
-bad or missing file. ``resume=auto`` tries the checkpoints newest first (``latest`` names the newest; it is for
-people and tools) and warns for each one it has to skip. A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
+Loading verifies the manifest first (every file present and none it does not list, sizes and, by default,
+sha256) and names the first bad, missing or added file. ``resume=auto`` tries the checkpoints newest first
+(``latest`` names the newest; it is for people and tools), skips those whose weights were not finite, and
+warns for each one it has to skip (:func:`newest_good_checkpoint` is the same choice, quietly). With
+``checkpoint.trust=false`` (the default) nothing a checkpoint holds is unpickled outside an allow-list
+(``nvfp4_train.mcore_compat.safe_load``; docs/reliability.md, threat model). A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
 a fallback.
 
 Resharding: megatron reshards the model state between any TP/PP/DP layouts. The distributed-optimizer state
@@ -49,6 +56,12 @@ from pathlib import Path
 __all__ = [
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointWriteError",
+    "check_writable",
+    "check_free_space",
+    "weights_finite",
+    "is_finite_checkpoint",
+    "newest_good_checkpoint",
     "MANIFEST",
     "step_dir_name",
     "list_checkpoints",
@@ -95,6 +108,12 @@ class CheckpointConfig:
     """Distributed-optimizer state format (megatron-core's names): ``fully_reshardable`` (per parameter,
     gathered on DP rank 0 at save; loads under any TP/PP/DP) or ``dp_reshardable`` (each rank's flat shard,
     no gather; loads under another DP size only, another TP/PP restarts the optimizer state)."""
+    trust: bool = False
+    """False: loading unpickles nothing outside an allow-list (tensors, containers, numbers, strings, and the
+    classes of torch's distributed-checkpoint metadata); a checkpoint file naming any other class is refused
+    with an error naming the file and the class (docs/reliability.md, threat model). True: torch's and
+    megatron-core's permissive loads, which can run code from the files: only for checkpoints you wrote
+    yourself (e.g. an older save whose RNG file holds numpy arrays)."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -111,6 +130,16 @@ class CheckpointConfig:
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (incomplete, corrupt, missing)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (no space, a file-size limit, a read-only directory). The
+    partial temporary directory is removed and every earlier checkpoint is intact; ``train.py`` exits 4 with
+    this one-line message. ``path``: what could not be written; ``reason``: why, and the fix."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        self.path, self.reason = str(path), reason
+        super().__init__(f"cannot write {path}: {reason}")
 
 
 def step_dir_name(step: int) -> str:
@@ -225,6 +254,113 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_writable(directory: str | os.PathLike) -> None:
+    """Create ``directory`` (and its parents) and write, fsync and delete a probe file in it; a read-only or
+    full file system, a missing permission or a path that is a file is a :class:`CheckpointWriteError` now,
+    before the first training step, rather than at the first save."""
+    directory = Path(directory)
+    probe = directory / f".write_probe_{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"ok\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CheckpointWriteError(directory, f"{_os_reason(e, directory)}, found before the first step: fix "
+                                              f"its permissions or set experiment.run_dir / checkpoint.dir to a "
+                                              f"writable directory") from None
+
+
+def _os_reason(e: BaseException, where: Path) -> str:
+    import errno
+
+    code = getattr(e, "errno", None)
+    if code == errno.ENOSPC or code == errno.EDQUOT:
+        return f"no space left on {where}"
+    if code == errno.EFBIG:
+        return f"a file exceeds the file-size limit on {where} (ulimit -f)"
+    if code == errno.EROFS:
+        return f"{where} is on a read-only file system"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"permission denied on {where}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _checkpoint_bytes(directory: Path) -> int:
+    """Total size of a committed checkpoint, from its manifest (0 when unreadable)."""
+    try:
+        return sum(int(e["size"]) for e in read_manifest(directory)["files"].values())
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        return 0
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def check_free_space(root: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointWriteError` ("no space left on <root>") when the file system of ``root`` has
+    less free space than the newest committed checkpoint takes (the next one is as large; the old ones are
+    pruned only after it is complete). Nothing to compare with before the first checkpoint."""
+    root = Path(root)
+    ckpts = list_checkpoints(root)
+    need = _checkpoint_bytes(ckpts[-1]) if ckpts else 0
+    if not need:
+        return
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise CheckpointWriteError(root, f"no space left on {root}: {_bytes(free)} free, the last checkpoint "
+                                         f"({ckpts[-1].name}) takes {_bytes(need)}; the earlier checkpoints "
+                                         f"are intact: free space (or lower checkpoint.keep_last), then resume")
+
+
+def _write_failure(root: Path, e: BaseException) -> str:
+    """Why a save failed, in words: the OS error when there is one, else (megatron's and torch's writers
+    wrap it: ``RuntimeError: Worker failure``, ``unexpected pos``) what the file system says now."""
+    import resource
+
+    e = _rank_failure(e)
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and getattr(cause, "errno", None) is not None:
+        reason = _os_reason(cause, root)
+    else:
+        try:
+            free = shutil.disk_usage(root).free
+        except OSError:
+            free = None
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if free is not None and free < (1 << 20):
+            reason = f"no space left on {root} ({_bytes(free)} free)"
+        elif limit != resource.RLIM_INFINITY:
+            reason = f"a file exceeds the file-size limit of {_bytes(limit)} on {root} (ulimit -f)"
+        else:
+            reason = f"writing under {root} failed"
+        reason += f" ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    return reason + "; the earlier checkpoints are intact, the partial one was removed"
+
+
+def _rank_failure(e: BaseException) -> BaseException:
+    """The first rank's error inside torch's ``CheckpointException`` (``.failures``: rank -> exception, or
+    (exception, traceback)), which megatron-core 0.16.1's save raises for its writers' failures."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return _rank_failure(inner)
+    return e
+
+
 def write_manifest(directory: str | os.PathLike, *, step: int, meta: dict, threads: int | None = None) -> dict:
     """Hash every file of ``directory`` (collective when a process group exists; ``threads`` hashing threads
     per rank, default: its CPUs, at most 8) and, on rank 0, write ``manifest.json``. Returns the
@@ -280,6 +416,10 @@ def verify_checkpoint(directory: str | os.PathLike, *, checksums: bool = True,
     expected = manifest["files"]
     present = []
     if dist is None or dist.get_rank() == 0:
+        for name in _files_of(directory):
+            if name not in expected:  # a checkpoint is exactly its manifest: the loaders look files up by name
+                problems.append(f"{directory / name}: not in the manifest (added after the save; move it out "
+                                f"of the checkpoint)")
         for name, entry in sorted(expected.items()):
             p = directory / name
             if not p.is_file():
@@ -328,15 +468,30 @@ def commit_checkpoint(tmp_dir: str | os.PathLike, root: str | os.PathLike, step:
 
 def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` committed checkpoints, and stale ``.tmp_*``/``.trash_*``
-    directories. Never deletes the one ``latest`` names. Returns what was deleted."""
+    directories. Never deletes the one ``latest`` names, nor the newest one with finite weights
+    (:func:`is_finite_checkpoint`), so checkpoints written during a bad streak never push out the last good
+    one. Each is first renamed to ``.trash_step_N`` (atomic), then deleted: a kill mid-delete leaves a
+    ``.trash_*`` (removed by the next prune), never a half-deleted ``step_N``. Returns what was deleted."""
     root = Path(root)
     ckpts = list_checkpoints(root)
+    keep = {p.name for p in (ckpts[-keep_last:] if keep_last else [])}
     latest = _read_latest(root)
+    if latest is not None:
+        keep.add(latest.name)
+    good = next((p for p in reversed(ckpts) if is_finite_checkpoint(p)), None)
+    if good is not None:
+        keep.add(good.name)
     deleted = []
-    for p in ckpts[:-keep_last] if keep_last else ckpts:
-        if latest is not None and p.name == latest.name:
+    for p in ckpts:
+        if p.name in keep:
             continue
-        shutil.rmtree(p, ignore_errors=True)
+        trash = root / f".trash_{p.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.replace(p, trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
         deleted.append(p)
     for p in root.iterdir() if root.is_dir() else ():
         if p.is_dir() and (p.name.startswith(".tmp_step_") or p.name.startswith(".trash_")):
@@ -392,6 +547,8 @@ def find_resume_checkpoint(resume: str, root: str | os.PathLike, *, checksums: b
         return None
     for i, path in enumerate(candidates):
         problems = verify_checkpoint(path, checksums=checksums)
+        if not problems and not is_finite_checkpoint(path):
+            problems = [f"{path / MANIFEST}: its weights are not all finite (saved during a bad streak)"]
         if not problems:
             if i:
                 warnings.warn(f"resuming from {path}, an older checkpoint: the newer ones are not usable",
@@ -403,6 +560,27 @@ def find_resume_checkpoint(resume: str, root: str | os.PathLike, *, checksums: b
                       stacklevel=2)
     raise CheckpointError(f"{root}: none of the {len(candidates)} checkpoints is usable (see the warnings); "
                           f"delete them or use checkpoint.resume=PATH/none with a new checkpoint.dir")
+
+
+def is_finite_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the manifest of checkpoint ``path`` records all model weights finite at save time (``meta.finite``,
+    from :func:`weights_finite`). A manifest without the field (written before the check existed, or by a
+    tool) counts as finite; an unreadable one does not."""
+    try:
+        return read_manifest(path).get("meta", {}).get("finite", True) is not False
+    except (CheckpointError, OSError):
+        return False
+
+
+def newest_good_checkpoint(root: str | os.PathLike, *, checksums: bool = True) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies (:func:`verify_checkpoint`) and holds finite weights
+    (:func:`is_finite_checkpoint`): "the last good checkpoint" of a stop report and what ``resume=auto`` picks
+    (which in addition warns about each one it skips). None when there is none. Collective when a process
+    group exists (the verification is)."""
+    for path in resume_candidates(root):
+        if is_finite_checkpoint(path) and not verify_checkpoint(path, checksums=checksums):
+            return path
+    return None
 
 
 def model_mismatch(saved: dict, current: dict) -> list[str]:
@@ -419,13 +597,18 @@ def model_mismatch(saved: dict, current: dict) -> list[str]:
 
 
 def rng_state() -> dict:
+    """This process's RNG states in a form ``torch.load(weights_only=True)`` reads: tensors, tuples, ints,
+    floats, strings (numpy's key array as an int64 tensor, not a pickled ``ndarray``)."""
     import numpy as np
     import torch
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     from nvfp4_train.parallel.cpu_compat import cpu_compat_active
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+             "torch": torch.get_rng_state(),
              "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available() and not cpu_compat_active():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -440,7 +623,10 @@ def set_rng_state(state: dict) -> None:
     from nvfp4_train.parallel.cpu_compat import cpu_compat_active
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    if isinstance(keys, torch.Tensor):  # our form; older saves hold the ndarray itself
+        keys = keys.numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and not cpu_compat_active():
         torch.cuda.set_rng_state(state["cuda"])
@@ -449,6 +635,32 @@ def set_rng_state(state: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------------
 # Save / load of a training state (megatron)
+
+
+def weights_finite(module) -> bool:
+    """Whether every parameter of ``module`` is finite on every rank: one reduction per tensor, one
+    all-reduce (MIN) of the result when a process group exists. Recorded in the manifest at save time."""
+    import torch
+
+    flags = [torch.isfinite(p.detach()).all() for p in module.parameters()]
+    if not flags:
+        return True
+    ok = torch.stack(flags).all().to(torch.int32)
+    dist = _dist()
+    if dist is not None:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _first_error(err: str | None) -> str | None:
+    """The first rank's error (in rank order) of a save phase, on every rank (collective with a process
+    group), so that all ranks stop together instead of waiting for each other at the next barrier."""
+    dist = _dist()
+    if dist is None:
+        return err
+    errs = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    return next((e for e in errs if e is not None), None)
 
 
 class _PhaseClock:
@@ -609,7 +821,13 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
     rank's RNG states (e.g. the quantized layers' stochastic-rounding counters). ``timings``, when given,
     receives this rank's seconds per phase (``prepare``, ``sharded_state``, ``dist_save``, ``rng_trainer``,
     ``manifest``, ``commit``; a phase ends with the barrier that follows it). ``hash_threads``: see
-    :func:`write_manifest`."""
+    :func:`write_manifest`. The manifest's ``meta.finite`` records :func:`weights_finite`.
+
+    Raises :class:`CheckpointWriteError` (on every rank) when the file system has less free space than the
+    last checkpoint takes (:func:`check_free_space`, before anything is written) or when writing fails (no
+    space, a file-size limit, permissions): the partial ``.tmp_step_*`` is then removed and the earlier
+    checkpoints stay as they were. (A writer failure inside megatron-core's collective save on some ranks
+    only can still leave the others waiting in it: the free-space check is what prevents the common case.)"""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -617,27 +835,54 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
     root = Path(root)
     rank = _rank()
     tmp = root / f".tmp_{step_dir_name(step)}"
+
+    def fail_if(err: str | None) -> None:
+        err = _first_error(err)
+        if err is not None:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(tmp, err)
+
+    err = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "dist").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    _barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            check_free_space(root)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "dist").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+        except CheckpointWriteError as e:
+            err = e.reason
+        except OSError as e:
+            err = _write_failure(root, e)
+    fail_if(err)
     clock.lap("prepare")
+    meta = {**meta, "optim_format": optim_format, "finite": weights_finite(ddp.module)}
     state = _sharded_state(ddp, optimizer, is_loading=False, optim_format=optim_format)
     clock.lap("sharded_state")
-    dist_checkpointing.save(state, str(tmp / "dist"))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.save(state, str(tmp / "dist"))
+    except (OSError, RuntimeError, CheckpointException) as e:  # megatron-core 0.16.1: CheckpointException of
+        err = _write_failure(root, e)  # its writers' "RuntimeError: Worker failure" (the OSError is lost)
     del state
+    fail_if(err)
     clock.lap("dist_save")
-    torch.save({**rng_state(), "extra": rank_extra or {}}, tmp / "rng" / f"rank_{rank:05d}.pt")
-    meta = {**meta, "optim_format": optim_format}
-    if rank == 0:
-        _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
-        _write_atomic(tmp / "config.yaml", config_yaml)
-    _barrier()
+    try:
+        torch.save({**rng_state(), "extra": rank_extra or {}}, tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            _write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
+            _write_atomic(tmp / "config.yaml", config_yaml)
+    except (OSError, RuntimeError) as e:  # torch.save: "[enforce fail at inline_container.cc] unexpected pos"
+        err = _write_failure(root, e)
+    fail_if(err)
     clock.lap("rng_trainer")
-    write_manifest(tmp, step=step, meta=meta, threads=hash_threads)
-    _barrier()
+    try:
+        write_manifest(tmp, step=step, meta=meta, threads=hash_threads)
+    except OSError as e:
+        err = _write_failure(root, e)
+    fail_if(err)
     clock.lap("manifest")
     final = root / step_dir_name(step)
     if rank == 0:
@@ -649,14 +894,29 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
 
 
 def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, model_config: dict,
-                    timings: dict[str, float] | None = None) -> dict:
+                    timings: dict[str, float] | None = None, trust: bool = False) -> dict:
     """Load a verified checkpoint into ``ddp`` and ``optimizer``; restore this rank's RNG states when the
     parallel layout is the same. Returns the trainer state (with ``resharded`` set when TP/PP differ, and this
     rank's ``rank_extra`` when the layout is the same, else None). ``timings``, when given, receives this
     rank's seconds per phase (``prepare``, ``sharded_state``, ``dist_load``, ``model_load``, ``optim_load``,
-    ``rng``)."""
-    import torch
+    ``rng``). ``trust`` (``checkpoint.trust``): False reads every pickled part through an allow-list
+    (``nvfp4_train.mcore_compat.safe_load``) and raises its ``UntrustedPickleError`` (a ``ValueError``
+    naming the file and the class) for anything else; True loads as torch and megatron-core do."""
     from megatron.core import dist_checkpointing
+
+    from nvfp4_train.mcore_compat.safe_load import restricted_checkpoint_loading, safe_torch_load, untrusted_cause
+
+    def dist_load(sharded: dict) -> dict:
+        if trust:
+            return dist_checkpointing.load(sharded, str(path / "dist"))
+        try:
+            with restricted_checkpoint_loading(path / "dist"):
+                return dist_checkpointing.load(sharded, str(path / "dist"))
+        except Exception as e:  # a refusal reaches us wrapped in torch's per-rank CheckpointException
+            refused = untrusted_cause(e)
+            if refused is None or refused is e:
+                raise
+            raise refused from None
 
     clock = _PhaseClock(timings)
     path = Path(path)
@@ -678,7 +938,7 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
         _init_optimizer_state(optimizer)
         sharded = _sharded_state(ddp, optimizer, is_loading=True, optim_format=optim_format)
         clock.lap("sharded_state")
-        state = dist_checkpointing.load(sharded, str(path / "dist"))
+        state = dist_load(sharded)
         del sharded
         clock.lap("dist_load")
         ddp.module.load_state_dict(state["model"])
@@ -688,7 +948,7 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     else:
         model_sd = ddp.module.sharded_state_dict()
         clock.lap("sharded_state")
-        state = dist_checkpointing.load({"model": model_sd}, str(path / "dist"))
+        state = dist_load({"model": model_sd})
         clock.lap("dist_load")
         ddp.module.load_state_dict(state["model"])
         clock.lap("model_load")
@@ -704,7 +964,7 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     trainer_state["rank_extra"] = None
     if saved_layout == layout:
         rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-        saved_rng = torch.load(rng_file, weights_only=False)
+        saved_rng = safe_torch_load(rng_file, trust=trust)
         set_rng_state(saved_rng)
         trainer_state["rank_extra"] = saved_rng.get("extra")
     elif _rank() == 0:

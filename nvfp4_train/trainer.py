@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from nvfp4_train.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, start_checkpoint_writer
+from nvfp4_train.checkpoint import (check_writable, find_resume_checkpoint, load_checkpoint, save_checkpoint,
+                                    start_checkpoint_writer)
 from nvfp4_train.config.compose import check_finite
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
 from nvfp4_train.optim import optimizer_step
@@ -408,7 +409,8 @@ class Trainer:
                                      total_steps=self.sched.train_steps, start_step=self.step,
                                      run_name=cfg.experiment.name, config_dict=self.config_dict)
         if self.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            check_writable(self.run_dir)
+            check_writable(self.ckpt_dir)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
         self.telemetry_interval = cfg.logging.telemetry_interval
         self.last_telemetry: tuple[int, dict] | None = None  # (step, layers) of the latest collection
@@ -608,7 +610,7 @@ class Trainer:
         the step, this rank's stochastic-rounding counters, the skipped-step count and the spike detector.
         Returns the trainer state."""
         tstate = load_checkpoint(path, ddp=self.ddp, optimizer=self.optimizer, layout=self.ps.layout(),
-                                 model_config=dataclasses.asdict(self.cfg.model))
+                                 model_config=dataclasses.asdict(self.cfg.model), trust=self.cfg.checkpoint.trust)
         self.step = tstate["step"]
         if tstate.get("rank_extra"):
             set_quant_rng_counters(_unwrap(self.ddp), tstate["rank_extra"].get("quant_calls", {}))

@@ -37,7 +37,8 @@ import numpy as np
 from nvfp4_train.data.tokenizer import BPETokenizer
 
 __all__ = ["DataConfig", "IndexInfo", "validate_indexed_dataset", "check_tokenizer_matches", "check_indexed_dataset",
-           "build_datasets", "build_data_loader", "PretrainingBatchSampler", "load_tokenizer_for"]
+           "build_datasets", "build_data_loader", "PretrainingBatchSampler", "load_tokenizer_for",
+           "check_index_caches"]
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
@@ -335,6 +336,99 @@ def _rank0_without_process_group():
         dist.get_rank = original
 
 
+# megatron-core 0.16.1's index caches: "<hash>-<GPTDataset|BlendedDataset>-<split>-<kind>.npy"
+_CACHE_KINDS = ("document_index", "sample_index", "shuffle_index", "dataset_index", "dataset_sample_index")
+
+
+def _npy_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete plain ``.npy`` array (None: it is), read without unpickling anything:
+    the magic, the header (numpy parses it as a literal), a dtype without Python objects, and the size the
+    header implies."""
+    from numpy.lib import format as npy
+
+    try:
+        with open(path, "rb") as f:
+            try:
+                version = npy.read_magic(f)
+            except ValueError:
+                from nvfp4_train.mcore_compat.safe_load import first_pickle_global
+
+                name = first_pickle_global(path)
+                return ("not a .npy array but a pickle naming " + name if name else "not a .npy array (bad magic)")
+            if version not in ((1, 0), (2, 0)):
+                return f"unsupported .npy version {version}"
+            read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+            try:
+                shape, _fortran, dtype = read_header(f)
+            except ValueError as e:
+                return f"bad .npy header ({e})"
+            offset = f.tell()
+    except OSError as e:
+        return f"unreadable ({e})"
+    if dtype.hasobject:
+        return f"a .npy array of Python objects (dtype {dtype}), which only a pickle load reads"
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    size = path.stat().st_size
+    if size != expected:
+        return (f"{size} bytes, but its header describes {expected} ({dtype} {tuple(shape)}): truncated (a write "
+                f"that was killed) or overwritten")
+    return None
+
+
+def check_index_caches(directories) -> list[Path]:
+    """Check every megatron-core index cache file (``<hash>-<class>-<split>-<kind>.npy``) in ``directories``
+    and remove each bad one together with the other files of its index set, so that megatron-core rebuilds
+    them, with a warning naming the file and why. Returns the removed files.
+
+    megatron-core 0.16.1 writes these caches in place (``numpy.save``; a kill mid-write leaves a truncated
+    file that it then memory-maps: "mmap length is greater than file size", for every later run) and reads
+    them with ``numpy.load(allow_pickle=True, mmap_mode='r')`` (``gpt_dataset.py``, ``blended_dataset.py``),
+    which unpickles any file that is not a ``.npy`` array. So a cache file is used only when it is a complete
+    ``.npy`` array of plain numbers; nothing in it is ever unpickled. Call it on the rank that builds the
+    caches, before megatron-core opens them."""
+    import warnings
+
+    removed: list[Path] = []
+    for d in directories:
+        d = Path(d)
+        if not d.is_dir():
+            continue
+        for f in sorted(d.glob("*.npy")):
+            if not f.exists():  # removed with an earlier sibling
+                continue
+            base, _, kind = f.name[: -len(".npy")].rpartition("-")
+            if kind not in _CACHE_KINDS or not base:
+                continue
+            problem = _npy_problem(f)
+            if problem is None:
+                continue
+            siblings = sorted(p for p in d.glob(f"{base}-*") if p.is_file())
+            for p in siblings:
+                p.unlink(missing_ok=True)
+            removed.extend(siblings)
+            warnings.warn(f"{f}: {problem}; removed with the other {len(siblings) - 1} files of its index set "
+                          f"({base}-*): megatron-core rebuilds them", stacklevel=2)
+    return removed
+
+
+def _cache_dirs(config: DataConfig, prefixes: list[str]) -> list[Path]:
+    """Where megatron-core 0.16.1 keeps the index caches of these prefixes: ``data.cache_dir``, else
+    ``<prefix>/cache/GPTDataset_indices`` per prefix (blend indices are then not cached)."""
+    if config.cache_dir:
+        return [Path(config.cache_dir)]
+    return [Path(p) / "cache" / "GPTDataset_indices" for p in prefixes]
+
+
+def _builds_caches(is_built_on_rank: Callable[[], bool] | None) -> bool:
+    """Whether this process writes megatron-core's caches: global rank 0, or any process without a process
+    group (megatron-core builds there first; the other ranks read what it wrote)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0 and (is_built_on_rank is None or is_built_on_rank())
+    return True
+
+
 def _check_split_ranges(config: DataConfig, infos: dict[str, IndexInfo]) -> None:
     """megatron-core cuts each training prefix into contiguous document ranges by ``data.split``. A range
     with a non-zero share but no tokens (too few documents for a small share: 30 documents at "99,1,0"
@@ -382,7 +476,8 @@ def build_datasets(config: DataConfig, *, train_samples: int, valid_samples: int
     ``vocab_size``: the model's vocabulary (embedding rows, ``ModelConfig.vocab_size``); the tokenizer's ids
     must fit in it. None: the tokenizer's own size. Every prefix is validated first
     (``validate_indexed_dataset``, with a full scan of its token ids against the tokenizer's vocabulary),
-    so a bad file or a vocabulary mismatch is an error here, before any training step.
+    so a bad file or a vocabulary mismatch is an error here, before any training step. megatron-core's index
+    caches are checked first (:func:`check_index_caches`): a truncated or non-``.npy`` one is rebuilt.
     """
     if train_samples < 1:
         raise ValueError(f"train_samples must be >= 1, got {train_samples}")
@@ -431,6 +526,8 @@ def build_datasets(config: DataConfig, *, train_samples: int, valid_samples: int
         gpt_config = GPTDatasetConfig(
             blend=_blend(config.train_prefixes, config.train_weights, infos), split=config.split, **common)
     sizes = [train_samples, valid_samples, 0]
+    if _builds_caches(is_built_on_rank):
+        check_index_caches(_cache_dirs(config, prefixes))
     with _rank0_without_process_group():
         train, valid, _test = BlendedMegatronDatasetBuilder(
             GPTDataset, sizes, is_built_on_rank or (lambda: True), gpt_config).build()

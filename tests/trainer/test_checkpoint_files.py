@@ -15,13 +15,20 @@ import pytest
 import nvfp4_train.checkpoint as ckpt
 from nvfp4_train.checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
+    check_free_space,
+    check_writable,
     commit_checkpoint,
     find_resume_checkpoint,
+    is_finite_checkpoint,
+    list_checkpoints,
     model_mismatch,
+    newest_good_checkpoint,
     prune_checkpoints,
     resume_candidates,
     step_dir_name,
     verify_checkpoint,
+    weights_finite,
     write_manifest,
 )
 
@@ -35,12 +42,12 @@ def _payload(d: Path, step: int) -> None:
     (d / "trainer_state.json").write_text(json.dumps({"step": step}))
 
 
-def _save(root: Path, step: int, *, keep_last: int = 3, crash: str | None = None) -> Path:
+def _save(root: Path, step: int, *, keep_last: int = 3, crash: str | None = None, finite: bool | None = None) -> Path:
     tmp = root / f".tmp_{step_dir_name(step)}"
     _payload(tmp, step)
     if crash == "before_manifest":
         return tmp
-    write_manifest(tmp, step=step, meta={"model": {"hidden_size": 64}})
+    write_manifest(tmp, step=step, meta={"model": {"hidden_size": 64}, **({} if finite is None else {"finite": finite})})
     if crash == "before_rename":
         return tmp
     final = commit_checkpoint(tmp, root, step)
@@ -193,3 +200,142 @@ def test_hash_threads_must_be_positive(tmp_path):
     _many_files(tmp_path)
     with pytest.raises(ValueError, match="hash threads=0"):
         write_manifest(tmp_path, step=1, meta={}, threads=0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Pruning killed midway, files the manifest does not list, "last good" = finite, write faults
+
+
+def test_a_kill_mid_prune_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Pruning renames ``step_N`` to ``.trash_step_N`` before deleting it: a kill (here: an exception after
+    the first file deleted) leaves only complete ``step_*`` directories; the next prune removes the trash."""
+    for s in (10, 20, 30):
+        _save(tmp_path, s)
+    real_rmtree = ckpt.shutil.rmtree
+
+    def killed_rmtree(path, ignore_errors=False):
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if files:
+            files[0].unlink()
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(tmp_path, keep_last=1)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert (tmp_path / ".trash_step_0000010").is_dir()
+    for p in resume_candidates(tmp_path):
+        assert verify_checkpoint(p) == [], p
+    assert [p.name for p in resume_candidates(tmp_path)] == ["step_0000030", "step_0000020"]
+    prune_checkpoints(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000030"]
+
+
+def test_a_file_the_manifest_does_not_list_is_damage(tmp_path):
+    """A checkpoint is exactly the files its manifest lists (the loaders look files up by name, e.g.
+    megatron-core's sharded objects): an added file makes it unusable, named, and resume falls back."""
+    _save(tmp_path, 10)
+    last = _save(tmp_path, 20)
+    extra = last / "dist" / "extra.pt"
+    extra.write_bytes(b"x")
+    problems = verify_checkpoint(last, checksums=False)
+    assert problems == [f"{extra}: not in the manifest (added after the save; move it out of the checkpoint)"]
+    with pytest.warns(UserWarning, match="extra.pt: not in the manifest"):
+        assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "step_0000010"
+
+
+def test_only_finite_checkpoints_are_good_and_pruning_keeps_the_newest_one(tmp_path):
+    """Checkpoints saved during a bad streak (``meta.finite`` false) are never "the last good one": resume and
+    :func:`newest_good_checkpoint` pass over them, and pruning keeps the newest finite one however many
+    non-finite ones follow it. A manifest without the field counts as finite."""
+    _save(tmp_path, 10)  # no field: written before the check existed
+    _save(tmp_path, 20, finite=True)
+    for s in (30, 40, 50):
+        _save(tmp_path, s, keep_last=2, finite=False)
+    assert sorted(p.name for p in list_checkpoints(tmp_path)) == ["step_0000020", "step_0000040", "step_0000050"]
+    assert newest_good_checkpoint(tmp_path) == tmp_path / "step_0000020"
+    assert is_finite_checkpoint(tmp_path / "step_0000020") and not is_finite_checkpoint(tmp_path / "step_0000050")
+    with pytest.warns(UserWarning, match="step_0000050 is not usable .*weights are not all finite"):
+        assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "step_0000020"
+    _save(tmp_path, 60, keep_last=2, finite=True)  # a good one again: the old good one may go now
+    assert sorted(p.name for p in list_checkpoints(tmp_path)) == ["step_0000050", "step_0000060"]
+    assert newest_good_checkpoint(tmp_path) == tmp_path / "step_0000060"
+    assert newest_good_checkpoint(tmp_path / "nothing") is None
+
+
+def test_weights_finite_is_one_flag_over_all_parameters():
+    import torch
+
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    assert weights_finite(m)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with torch.no_grad():
+            m[1].bias[1] = bad
+        assert not weights_finite(m)
+        with torch.no_grad():
+            m[1].bias[1] = 0.0
+    assert weights_finite(torch.nn.Module())
+
+
+def test_free_space_below_the_last_checkpoint_is_refused_before_writing(tmp_path, monkeypatch):
+    assert check_free_space(tmp_path) is None  # nothing to compare with yet
+    last = _save(tmp_path, 10)
+    size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file() and p.name != "manifest.json")
+    usage = ckpt.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=size - 1))
+    with pytest.raises(CheckpointWriteError, match=f"no space left on {tmp_path}: .* free, the last checkpoint "
+                                                   f"\\(step_0000010\\) takes") as e:
+        check_free_space(tmp_path)
+    assert e.value.path == str(tmp_path) and "no space left" in e.value.reason
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=size))
+    check_free_space(tmp_path)
+
+
+@pytest.mark.parametrize("code, words", [("ENOSPC", "no space left on"), ("EDQUOT", "no space left on"),
+                                         ("EFBIG", "file-size limit"), ("EROFS", "read-only file system")])
+def test_a_writer_failure_is_named_through_its_wrapper(tmp_path, code, words):
+    """megatron-core and torch wrap the OS error (``RuntimeError: Worker failure``); the cause is found."""
+    import errno
+
+    err = getattr(errno, code)
+    try:
+        try:
+            raise OSError(err, os.strerror(err))
+        except OSError as e:
+            raise RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos") from e
+    except RuntimeError as wrapped:
+        reason = ckpt._write_failure(tmp_path, wrapped)
+    assert words in reason and str(tmp_path) in reason and "partial one was removed" in reason
+
+
+def test_a_writer_failure_without_an_os_error_is_named_from_the_file_system(tmp_path, monkeypatch):
+    """megatron-core 0.16.1's save raises torch's ``CheckpointException`` holding each rank's ``RuntimeError:
+    Worker failure`` (the worker's OSError is lost): the reason comes from the free space and the limit."""
+    import resource
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    e = CheckpointException("write", {0: (RuntimeError("Worker failure: unexpected pos 704 vs 598"), None)})
+    usage = ckpt.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    assert ckpt._write_failure(tmp_path, e).startswith(f"no space left on {tmp_path} (4.0 KiB free) (RuntimeError: "
+                                                       f"Worker failure: unexpected pos 704 vs 598)")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=1 << 40))
+    monkeypatch.setattr(resource, "getrlimit", lambda r: (4 << 20, resource.RLIM_INFINITY))
+    assert "file-size limit of 4.0 MiB" in ckpt._write_failure(tmp_path, e)
+
+
+def test_check_writable_before_the_first_step(tmp_path, monkeypatch):
+    check_writable(tmp_path / "a" / "b")  # created
+    assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointWriteError, match="found before the first step"):
+        check_writable(tmp_path / "file")
+    import errno
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(ckpt.os, "open", read_only)  # root ignores file modes: a read-only mount, simulated
+    with pytest.raises(CheckpointWriteError, match="is on a read-only file system, found before the first step"):
+        check_writable(tmp_path / "a")

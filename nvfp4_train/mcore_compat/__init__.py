@@ -1,0 +1,1 @@
+"""Every megatron-core / torch workaround, each with the version it is for."""

@@ -1,0 +1,206 @@
+"""Checkpoints from a stranger and saves that cannot finish, end to end through ``train.py`` (CPU, stand-in).
+
+One run writes a real checkpoint (step 3). Each untrusted-file test copies it, plants a pickle payload whose
+``__reduce__`` would run ``touch <marker>`` in one of the files the resume path unpickles, re-writes the
+manifest (whoever ships a checkpoint ships its manifest, so the checksums are right) and resumes from the
+copy: the resume must refuse it with an error naming the file and ``posix.system``, and the marker must
+never appear. The payloads are real: ``test_payloads_run_under_permissive_loads`` shows each one running
+under the loader it targets when that loader is permissive. The save tests resume the good checkpoint
+under a file-size limit (``RLIMIT_FSIZE``) smaller than a shard."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvfp4_train.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint, write_manifest
+from tests.trainer.runs import ROOT, TINY, env, run, tail
+
+BASE = [*(a for a in TINY if not a.startswith("checkpoint.")), "checkpoint.keep_last=3"]
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>`` (``os.system``, pickled as ``posix.system``)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A run directory holding the checkpoint of a 3-step run."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    log = run_dir.parent / "log.txt"
+    rc = run([*BASE, "schedule.train_steps=3", f"experiment.run_dir={run_dir}"], log=log)
+    assert rc == 0, tail(log)
+    return run_dir
+
+
+def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved, run_dir)
+    return run_dir, run_dir / "checkpoints" / "step_0000003"
+
+
+def _reseal(step_dir: Path) -> None:
+    """Re-write the manifest of a modified checkpoint (as whoever ships one would)."""
+    old = read_manifest(step_dir)
+    (step_dir / MANIFEST).unlink()
+    write_manifest(step_dir, step=old["step"], meta=old["meta"])
+    assert verify_checkpoint(step_dir) == []
+
+
+def _plant_rng(step_dir: Path, marker: Path) -> Path:
+    f = step_dir / "rng" / "rank_00000.pt"
+    state = torch.load(f, weights_only=True)
+    state["extra"]["note"] = Payload(marker)
+    torch.save(state, f)
+    return f
+
+
+def _plant_metadata(step_dir: Path, marker: Path) -> Path:
+    f = step_dir / "dist" / ".metadata"
+    with open(f, "rb") as fh:
+        md = pickle.load(fh)  # our own, unmodified file
+    md.planner_data = Payload(marker)
+    with open(f, "wb") as fh:
+        pickle.dump(md, fh)
+    return f
+
+
+def _plant_byte_item(step_dir: Path, marker: Path) -> Path:
+    """Replace an ``_extra_state`` byte item of a shard: the payload is appended to the shard and the
+    item's storage entry in ``.metadata`` points at it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta_file = step_dir / "dist" / ".metadata"
+    with open(meta_file, "rb") as fh:
+        md = pickle.load(fh)
+    index, info = next((i, s) for i, s in md.storage_data.items()
+                       if isinstance(md.state_dict_metadata[i.fqn], BytesStorageMetadata) and "_extra_state" in i.fqn)
+    buf = io.BytesIO()
+    torch.save([Payload(marker)], buf)
+    shard = step_dir / "dist" / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as fh:
+        fh.write(buf.getvalue())
+    md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buf.getvalue()))
+    with open(meta_file, "wb") as fh:
+        pickle.dump(md, fh)
+    return shard
+
+
+def _plant_common(step_dir: Path, marker: Path) -> Path:
+    f = step_dir / "dist" / "common.pt"
+    common = torch.load(f, weights_only=True)
+    common["note"] = Payload(marker)
+    torch.save(common, f)
+    return f
+
+
+PLANTS = {"rng": _plant_rng, "metadata": _plant_metadata, "byte_item": _plant_byte_item, "common": _plant_common}
+
+
+@pytest.mark.parametrize("vector", sorted(PLANTS))
+def test_a_planted_pickle_is_refused_and_never_runs(saved, tmp_path, vector):
+    run_dir, step_dir = _copy(saved, tmp_path)
+    marker = tmp_path / "marker"
+    planted = PLANTS[vector](step_dir, marker)
+    _reseal(step_dir)
+    assert not marker.exists()
+    log = tmp_path / "resume.txt"
+    rc = run([*BASE, "schedule.train_steps=5", f"experiment.run_dir={run_dir}"], log=log)
+    text = log.read_text()
+    assert rc == 1, tail(log)
+    assert not marker.exists()
+    last = [line for line in text.splitlines() if "UntrustedPickleError" in line]
+    assert last, tail(log)
+    assert f"{planted}" in last[-1] and "pickled posix.system" in last[-1], last[-1]
+    assert "checkpoint.trust=true" in last[-1]
+    assert "step 4" not in text  # nothing trained
+
+
+def test_payloads_run_under_permissive_loads(saved, tmp_path):
+    """The planted files are real attacks: each runs its payload under the load it targets, made permissive
+    (``pickle.load`` / ``torch.load(weights_only=False)``), so the refusals above are what stops them."""
+    _, step_dir = _copy(saved, tmp_path)
+    for name, plant in sorted(PLANTS.items()):
+        marker = tmp_path / f"marker_{name}"
+        f = plant(step_dir, marker)
+        if name == "metadata":
+            with open(f, "rb") as fh:
+                pickle.load(fh)
+        elif name == "byte_item":
+            with open(step_dir / "dist" / ".metadata", "rb") as fh:
+                md = pickle.load(fh)
+            info = next(s for s in md.storage_data.values() if s.offset + s.length == f.stat().st_size)
+            with open(f, "rb") as fh:
+                fh.seek(info.offset)
+                torch.load(io.BytesIO(fh.read(info.length)), weights_only=False)
+        else:
+            torch.load(f, weights_only=False)
+        assert marker.exists(), name
+
+
+def test_trust_true_loads_what_trust_false_refuses(saved, tmp_path):
+    """``checkpoint.trust=true`` restores the permissive loads, for a checkpoint you wrote yourself: an RNG
+    file holding a class outside the allow-list (a harmless ``datetime.date``) is refused by default, naming
+    the file and the class, and resumes with trust."""
+    import datetime
+
+    run_dir, step_dir = _copy(saved, tmp_path)
+    f = step_dir / "rng" / "rank_00000.pt"
+    state = torch.load(f, weights_only=True)
+    state["extra"]["written"] = datetime.date(2026, 12, 1)
+    torch.save(state, f)
+    _reseal(step_dir)
+    log = tmp_path / "refused.txt"
+    assert run([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}"], log=log) == 1, tail(log)
+    assert f"{f} holds a pickled datetime.date" in tail(log, 5)
+    log = tmp_path / "trusted.txt"
+    assert run([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}", "checkpoint.trust=true"],
+               log=log) == 0, tail(log)
+    assert "resumed from" in log.read_text()
+
+
+def test_file_size_limit_during_a_save_stops_cleanly(saved, tmp_path):
+    """A save that hits ``RLIMIT_FSIZE`` (4 MiB, below the 15 MB shards; the logs and the RNG file stay
+    under it): exit status 4 with one line naming the limit, the partial ``.tmp_step_*`` removed, the
+    previous checkpoint intact and still what a resume picks."""
+    run_dir, step_dir = _copy(saved, tmp_path)
+    limit = 4 << 20
+    assert max(p.stat().st_size for p in step_dir.rglob("*.distcp")) > limit
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    log = tmp_path / "log.txt"
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *BASE, "schedule.train_steps=5",
+                          f"experiment.run_dir={run_dir}"], cwd=ROOT, env=env(), stdout=open(log, "w"),
+                         stderr=subprocess.STDOUT, preexec_fn=limited)
+    assert p.wait(timeout=300) == 4, tail(log)
+    lines = [line for line in log.read_text().splitlines() if line.startswith("train.py: ")]
+    assert len(lines) == 1, tail(log)
+    assert "cannot write" in lines[0] and "file-size limit" in lines[0] and "earlier checkpoints are intact" in lines[0]
+    assert "Traceback" not in log.read_text()
+    ckpt_root = run_dir / "checkpoints"
+    assert not [q for q in ckpt_root.iterdir() if q.name.startswith(".tmp_")]
+    assert list_checkpoints(ckpt_root) == [step_dir] and verify_checkpoint(step_dir) == []
+    assert (ckpt_root / "latest").read_text().strip() == "step_0000003"
+    # the run's record says where it got to
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert any(e.get("type") == "train" and e.get("step") == 5 for e in events)
