@@ -137,7 +137,8 @@ def check_known_keys(cfg, path: str = "") -> None:
 
 def check_run(cfg, world_size: int) -> None:
     """ValueError naming the key and the fix for what a run of ``cfg`` on ``world_size`` processes would
-    only find after the model is built: the parallel layout and the batch split, the layer precision map
+    only find after the model is built: the parallel layout and the batch split, the schedule's lengths in
+    tokens, the layer precision map
     (recipe names, rules), attention and Mamba heads vs tensor parallelism, the hybrid model's megatron config
     (pipeline stages), and every quantized recipe's token block vs the tokens of a micro-batch."""
     from nvfp4_train.precision.megatron_linear import token_block
@@ -151,6 +152,7 @@ def check_run(cfg, world_size: int) -> None:
     if sc.global_batch_size % (sc.micro_batch_size * dp):
         raise ValueError(f"schedule.global_batch_size={sc.global_batch_size} is not a multiple of "
                          f"micro_batch_size * DP = {sc.micro_batch_size} * {dp}")
+    sc.resolve(cfg.data.seq_length)  # warmup + decay within the run
     layer_map = cfg.precision.layer_map(m.pattern)
     for key in ("num_attention_heads", "num_query_groups", "mamba_num_heads", "mamba_num_groups"):
         value = getattr(m, key, None)

@@ -91,6 +91,7 @@ def test_wrong_type_names_the_expected_type_and_a_typo_the_nearest_key(override,
      "blocks of 16 tokens, but a micro-batch has schedule.micro_batch_size * data.seq_length = 1 * 24 = 24"),
     (["model=tiny", "parallel.pp=5"], 5, "pipeline stages of (1, 1, 2, 1, 1) blocks"),
     (["parallel.tp=2"], 3, "world size 3 is not divisible by parallel.tp * parallel.pp = 2 * 1"),
+    (["schedule.train_steps=1", "schedule.warmup_steps=2"], 1, "exceed the run"),
 ])
 def test_run_checks_before_building_name_the_key(overrides, world, needle):
     """What failed only after the model was built (exit 1 with a traceback) is found by check_run, which

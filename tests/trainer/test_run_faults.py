@@ -47,7 +47,7 @@ def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_ta
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        args = [*TINY, "schedule.train_steps=1", f"experiment.run_dir={out}"]
+        args = [*TINY, "schedule.train_steps=2", f"experiment.run_dir={out}"]
         assert run(args, log=tmp_path / "second.log") == 2, tail(tmp_path / "second.log")
         log = (tmp_path / "second.log").read_text()
         assert f"run directory {out} is in use by another run (pid 4242 on host elsewhere" in log
