@@ -96,7 +96,8 @@ def test_sigterm_while_the_config_is_composed_exits_0(tmp_path):
             "sys.exit(train.main(['schedule.train_steps=1']))\n")
     from tests.trainer.runs import ROOT
 
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stopped by signal SIGTERM before training started (nothing to save)" in r.stderr
 
@@ -111,7 +112,8 @@ def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(tmp_
     evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"type": "eval"' in x]
     assert [r["step"] for r in evals] == [3]
     # longer, and another precision: a warning and an event for each
-    assert run([*base, "schedule.train_steps=5", "precision=fp8"], log=tmp_path / "3.log") == 0, tail(tmp_path / "3.log")
+    rc = run([*base, "schedule.train_steps=5", "precision=fp8"], log=tmp_path / "3.log")
+    assert rc == 0, tail(tmp_path / "3.log")
     log = (tmp_path / "3.log").read_text()
     assert "the schedule differs from checkpoint" in log and "the precision differs from checkpoint" in log
     (sched,) = [e for e in _events(out) if e["event"] == "schedule_change"]
