@@ -47,7 +47,7 @@ def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_ta
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        args = [*TINY, "schedule.train_steps=2", f"experiment.run_dir={out}"]
+        args = [*TINY, "schedule.train_steps=3", f"experiment.run_dir={out}"]
         assert run(args, log=tmp_path / "second.log") == 2, tail(tmp_path / "second.log")
         log = (tmp_path / "second.log").read_text()
         assert f"run directory {out} is in use by another run (pid 4242 on host elsewhere" in log
@@ -77,7 +77,7 @@ def test_sigterm_before_the_first_step_exits_0_and_names_it(tmp_path):
     """A SIGTERM while the model is built (it ended the process with -15): the run stops before training,
     exit 0, with a message; nothing is saved."""
     out = tmp_path / "s"
-    args = [*TINY, "schedule.train_steps=2", "experiment.model_provider=tests.reliability.providers:gpt",
+    args = [*TINY, "schedule.train_steps=3", "experiment.model_provider=tests.reliability.providers:gpt",
             f"experiment.run_dir={out}"]
     assert run(args, log=tmp_path / "s.log", RELIABILITY_SIGTERM_IN_BUILD="1") == 0, tail(tmp_path / "s.log")
     assert "signal received before the first step; stopping without training" in (tmp_path / "s.log").read_text()
