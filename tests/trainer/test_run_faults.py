@@ -112,11 +112,11 @@ def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(tmp_
     evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"type": "eval"' in x]
     assert [r["step"] for r in evals] == [3]
     # longer, and another precision: a warning and an event for each
-    rc = run([*base, "schedule.train_steps=5", "precision=fp8"], log=tmp_path / "3.log")
+    rc = run([*base, "schedule.train_steps=5", "precision=bf16"], log=tmp_path / "3.log")
     assert rc == 0, tail(tmp_path / "3.log")
     log = (tmp_path / "3.log").read_text()
     assert "the schedule differs from checkpoint" in log and "the precision differs from checkpoint" in log
     (sched,) = [e for e in _events(out) if e["event"] == "schedule_change"]
     assert sched["step"] == 3 and sched["changed"]["train_steps"] == [3, 5]
     (prec,) = [e for e in _events(out) if e["event"] == "precision_change"]
-    assert (prec["checkpoint"]["recipe"], prec["now"]["recipe"]) == ("nvfp4", "fp8")
+    assert (prec["checkpoint"]["recipe"], prec["now"]["recipe"]) == ("nvfp4", "bf16")
