@@ -15,7 +15,7 @@ import signal
 import sys
 
 
-class _StoppedBeforeTraining(Exception):
+class _StoppedBeforeTraining(BaseException):  # not an Exception: no error handler may take it for one
     pass
 
 

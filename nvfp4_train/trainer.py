@@ -307,9 +307,12 @@ class Trainer:
         self._signals = _SignalFlag(cfg.checkpoint.save_on_signal)
         self._lock: _RunDirLock | None = None
         self.metrics: MetricsLogger | None = None
-        self._owns_parallel = parallel_state is None
-        self.ps = setup_parallel(cfg.parallel, seed=cfg.experiment.seed) if parallel_state is None else parallel_state
+        self._owns_parallel = False
         try:
+            if parallel_state is None:
+                parallel_state = setup_parallel(cfg.parallel, seed=cfg.experiment.seed)
+                self._owns_parallel = True
+            self.ps = parallel_state
             self._build(cfg, model_provider)
         except BaseException:
             self.close()

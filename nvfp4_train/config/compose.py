@@ -137,9 +137,11 @@ def check_known_keys(cfg, path: str = "") -> None:
 
 def check_run(cfg, world_size: int) -> None:
     """ValueError naming the key and the fix for what a run of ``cfg`` on ``world_size`` processes would
-    only find after the model is built: the parallel layout and the batch split, the layer precision map
-    (recipe names, rules), attention and Mamba heads vs tensor parallelism, the hybrid model's megatron config
-    (pipeline stages), and every quantized recipe's token block vs the tokens of a micro-batch."""
+    only find after the model is built: the parallel layout and the batch split, the schedule's lengths in
+    tokens, the layer precision map
+    (recipe names, rules), attention and Mamba heads vs tensor parallelism; for the hybrid model (no
+    ``experiment.model_provider``) its megatron config (pipeline stages) and every quantized recipe's token
+    block vs the tokens of a micro-batch."""
     from nvfp4_train.precision.megatron_linear import token_block
 
     par, sc, m = cfg.parallel, cfg.schedule, cfg.model
@@ -151,6 +153,7 @@ def check_run(cfg, world_size: int) -> None:
     if sc.global_batch_size % (sc.micro_batch_size * dp):
         raise ValueError(f"schedule.global_batch_size={sc.global_batch_size} is not a multiple of "
                          f"micro_batch_size * DP = {sc.micro_batch_size} * {dp}")
+    sc.resolve(cfg.data.seq_length)  # warmup + decay within the run
     layer_map = cfg.precision.layer_map(m.pattern)
     for key in ("num_attention_heads", "num_query_groups", "mamba_num_heads", "mamba_num_groups"):
         value = getattr(m, key, None)
@@ -158,10 +161,11 @@ def check_run(cfg, world_size: int) -> None:
         if used and value and value % par.tp:
             raise ValueError(f"model.{key}={value} is not divisible by parallel.tp={par.tp}: each tensor-parallel "
                              f"rank holds whole heads/groups; choose a tp that divides it")
-    if cfg.experiment.model_provider is None:
-        from models.build import transformer_config
+    if cfg.experiment.model_provider is not None:
+        return  # another model: what its layers and megatron config need is its provider's to check
+    from models.build import transformer_config
 
-        transformer_config(m, tp=par.tp, pp=par.pp, sequence_parallel=par.sequence_parallel)
+    transformer_config(m, tp=par.tp, pp=par.pp, sequence_parallel=par.sequence_parallel)
     tokens = sc.micro_batch_size * cfg.data.seq_length
     for name, recipe in layer_map.recipes.items():
         block = token_block(recipe)

@@ -10,6 +10,8 @@ subprocess gets them; nothing in megatron-core is patched):
   ``factor`` (a loss spike).
 - ``RELIABILITY_BATCH_LOG=<file>``: one line per training micro-batch: a hash of its token ids (what data
   the model saw, in order).
+- ``RELIABILITY_SIGTERM_IN_BUILD=1``: the process sends itself SIGTERM while the model is being built (a
+  preemption before the training loop).
 
 Steps are counted from the process's own training forward calls (``num_micro`` per step), so a step redone
 after a rollback is a later call and is not faulted again.
@@ -45,6 +47,10 @@ def _with_faults(cfg, base_provider):
     num_micro = _num_micro(cfg)
 
     def provider(pre_process: bool, post_process: bool):
+        if os.environ.get("RELIABILITY_SIGTERM_IN_BUILD"):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
         model = base_provider(pre_process=pre_process, post_process=post_process)
         calls = {"n": 0}
 

@@ -44,6 +44,11 @@ def test_unknown_key_or_wrong_type_names_it(override, needle):
     ("parallel.sequence_parallel=true", "sequence_parallel"),
     ("experiment.name=a/b", "experiment.name='a/b'"),
     ("experiment.model_provider=nocolon", "module:function"),
+    ("schedule.lr=inf", "schedule.lr=inf is not a finite number"),  # passed, and step 1 ran at lr=nan
+    ("schedule.min_lr=nan", "schedule.min_lr=nan is not a finite number"),
+    ("optim.adam_eps=inf", "optim.adam_eps=inf is not a finite number"),
+    ("optim.clip_grad=inf", "optim.clip_grad=inf is not a finite number"),
+    ("optim.weight_decay=nan", "optim.weight_decay=nan is not a finite number"),
 ])
 def test_bad_values_raise_value_error_naming_them(override, needle):
     with pytest.raises(ValueError) as e:
@@ -61,3 +66,52 @@ def test_train_py_reports_a_config_error(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "config error" in r.stderr and "bogus_key" in r.stderr
+
+
+@pytest.mark.parametrize("override,needle", [
+    # a wrong type said only "Error merging override schedule.train_steps=many"
+    ("schedule.train_steps=many", "schedule.train_steps expects int | None"),
+    ("logging.tensorboard=maybe", "logging.tensorboard expects bool"),
+    # a typo's hint was "To append to your config use +schedule.train_step=5" (the next error)
+    ("schedule.train_step=5", "(did you mean 'train_steps'?)"),
+    ("+schedule.warmup=5", "(did you mean 'warmup_steps'?)"),
+    ("optim.lr=0.1", "(did you mean 'schedule.lr'?)"),
+])
+def test_wrong_type_names_the_expected_type_and_a_typo_the_nearest_key(override, needle):
+    with pytest.raises(ValueError) as e:
+        compose_config("train", [override])
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    (["schedule.global_batch_size=6", "schedule.micro_batch_size=2"], 2,
+     "schedule.global_batch_size=6 is not a multiple of micro_batch_size * DP = 2 * 2"),
+    (["model=tiny", "parallel.tp=3"], 3, "model.num_attention_heads=4 is not divisible by parallel.tp=3"),
+    (["model=tiny", "precision=nvfp4", "data.seq_length=24", "schedule.micro_batch_size=1"], 1,
+     "blocks of 16 tokens, but a micro-batch has schedule.micro_batch_size * data.seq_length = 1 * 24 = 24"),
+    (["model=tiny", "parallel.pp=5"], 5, "pipeline stages of (1, 1, 2, 1, 1) blocks"),
+    (["parallel.tp=2"], 3, "world size 3 is not divisible by parallel.tp * parallel.pp = 2 * 1"),
+    (["schedule.train_steps=1", "schedule.warmup_steps=2"], 1, "exceed the run"),
+])
+def test_run_checks_before_building_name_the_key(overrides, world, needle):
+    """What failed only after the model was built (exit 1 with a traceback) is found by check_run, which
+    train.py calls before building (exit 2, one line)."""
+    from nvfp4_train.config.compose import check_run
+
+    cfg = compose_config("train", overrides)
+    with pytest.raises(ValueError) as e:
+        check_run(cfg, world)
+    assert needle in str(e.value)
+
+
+def test_train_py_reports_a_config_error_found_before_building(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "train.py"), "model=tiny", "parallel.pp=5"], cwd=root,
+                       capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "WORLD_SIZE": "5"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("train.py:")]
+    assert len(lines) == 1 and "pipeline stages of" in lines[0] and "Traceback" not in r.stderr

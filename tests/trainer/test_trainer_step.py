@@ -51,7 +51,8 @@ def test_a_non_finite_learning_rate_skips_the_update(tmp_path, one_process_env, 
     with Trainer(_cfg(tmp_path / "nan")) as t:
         resolved = type(t.lr_schedule.resolved)
         lr_at_step = resolved.lr_at_step
-        monkeypatch.setattr(resolved, "lr_at_step", lambda self, step: math.nan if step == 1 else lr_at_step(self, step))
+        monkeypatch.setattr(resolved, "lr_at_step",
+                            lambda self, step: math.nan if step == 1 else lr_at_step(self, step))
         t.train_step()
         before = [p.detach().clone() for p in t.ddp.module.parameters()]
         out = t.train_step()

@@ -90,3 +90,31 @@ def test_plot_runs_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     one = plot_runs([tmp_path / "other"], tmp_path / "p" / "one.png")  # a single run: no comparison panel
     assert one.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hybrid_layers_carry_their_block_role_and_base_recipe():
+    """The quantized layers of the hybrid model carry the global block index and role the map resolved their
+    recipe from, and that recipe; the precision switch finds each layer through them (no name parsing)."""
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from models.build import build_model, transformer_config
+    from models.config import model_config
+    from tests.precision.mcore_util import megatron_single_rank
+
+    with megatron_single_rank():
+        mc = model_config("tiny")
+        switch = PrecisionSwitch(mode="fprop_bf16", at_step=3)
+        lmap = LayerPrecisionMap(mc.pattern, "nvfp4", switch=switch)
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        model = build_model(mc, lmap, config=transformer_config(mc), seq_length=64)
+        layers = dict(model.precision_layers())
+        assert len(layers) == lmap.num_linear
+        for layer in layers.values():
+            assert layer.layer_name == f"blocks.{layer.block}.{layer.role}"
+            assert layer.base_recipe == lmap.recipe(layer.block, layer.role) == layer.recipe
+        assert apply_precision_switch(model, lmap, switch, step=3, total_steps=10) == len(layers)
+        for layer in layers.values():
+            want = layer.base_recipe.name if layer.base_recipe.is_bf16 else f"{layer.base_recipe.name}+fprop_bf16"
+            assert layer.recipe.name == want

@@ -1,0 +1,122 @@
+"""Faults of a whole run (train.py in subprocesses, the GPTModel stand-in, CPU, one rank): no checkpoint during
+a streak of bad steps, a second run in a used run directory, a SIGTERM to the process group with DataLoader
+workers and before the first step, and resumes that change the schedule or the precision or re-run a finished
+run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from nvfp4_train.metrics import load_metrics
+from tests.trainer.runs import TINY, env, run, start, tail
+from tests.trainer.test_train_run import _events, _wait_for_step
+
+
+def test_no_checkpoint_is_written_during_a_streak_of_bad_steps(tmp_path):
+    """NaN losses from step 3 (counted from 1) on, a checkpoint due every step: steps 3 and 4 are skipped and
+    save nothing (before: step_3 and step_4 were written from the failing state and the stop report named
+    step_4); the stop report names step_2, the last checkpoint before the streak."""
+    out = tmp_path / "n"
+    args = [*TINY, "schedule.train_steps=6", "optim.max_consecutive_bad_steps=3", "checkpoint.interval=1",
+            f"experiment.run_dir={out}"]
+    assert run(args, log=tmp_path / "n.log", STANDIN_NAN="loss:2,3,4") == 3, tail(tmp_path / "n.log")
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
+    assert [e["step"] for e in _events(out) if e["event"] == "checkpoint_skipped"] == [3, 4]
+    (div,) = [e for e in _events(out) if e["event"] == "diverged"]
+    assert div["last_good_checkpoint"] == str(out / "checkpoints" / "step_0000002")
+    assert f"The last good checkpoint is {out / 'checkpoints' / 'step_0000002'}" in (tmp_path / "n.log").read_text()
+
+
+_HOLD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b"pid 4242 on host elsewhere\\n")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over(tmp_path):
+    out = tmp_path / "r"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        args = [*TINY, "schedule.train_steps=3", f"experiment.run_dir={out}"]
+        assert run(args, log=tmp_path / "second.log") == 2, tail(tmp_path / "second.log")
+        log = (tmp_path / "second.log").read_text()
+        assert f"run directory {out} is in use by another run (pid 4242 on host elsewhere" in log
+        assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()  # nothing mixed in
+    finally:
+        holder.kill()  # SIGKILL: the kernel drops its flock, the lock file stays
+        holder.wait()
+    assert run(args, log=tmp_path / "third.log") == 0, tail(tmp_path / "third.log")
+    (ev,) = [e for e in _events(out) if e["event"] == "lock_taken_over"]
+    assert ev["previous"] == "pid 4242 on host elsewhere"
+
+
+def test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0(tmp_path):
+    """With data.num_workers=2 the SIGTERM of the whole group (Slurm, `timeout`) killed the workers and the run
+    died ("DataLoader worker ... is killed by signal: Terminated") without a checkpoint."""
+    out = tmp_path / "w"
+    p = start([*TINY, "schedule.train_steps=40", "data.num_workers=2", f"experiment.run_dir={out}"],
+              log=tmp_path / "w.log", new_session=True)
+    _wait_for_step(out, 2, p)
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=240) == 0, tail(tmp_path / "w.log")
+    stopped = [e for e in _events(out) if e["event"] == "signal"][0]["step"]
+    assert (out / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
+
+
+def test_sigterm_before_the_first_step_exits_0_and_names_it(tmp_path):
+    """A SIGTERM while the model is built (it ended the process with -15): the run stops before training,
+    exit 0, with a message; nothing is saved."""
+    out = tmp_path / "s"
+    args = [*TINY, "schedule.train_steps=3", "experiment.model_provider=tests.reliability.providers:gpt",
+            f"experiment.run_dir={out}"]
+    assert run(args, log=tmp_path / "s.log", RELIABILITY_SIGTERM_IN_BUILD="1") == 0, tail(tmp_path / "s.log")
+    assert "signal received before the first step; stopping without training" in (tmp_path / "s.log").read_text()
+    assert load_metrics(out) == [] and not (out / "checkpoints").exists()
+    (ev,) = [e for e in _events(out) if e["event"] == "signal"]
+    assert ev["before_first_step"] is True
+
+
+def test_sigterm_while_the_config_is_composed_exits_0(tmp_path):
+    """The same before the trainer exists (train.py composing the config): a named message, exit 0."""
+    code = ("import os, signal, sys, train\n"
+            "import nvfp4_train.config as c\n"
+            "def compose(*a, **k):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "c.compose_config = compose\n"
+            "sys.exit(train.main(['schedule.train_steps=1']))\n")
+    from tests.trainer.runs import ROOT
+
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stopped by signal SIGTERM before training started (nothing to save)" in r.stderr
+
+
+def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(tmp_path):
+    out = tmp_path / "c"
+    base = [*TINY, f"experiment.run_dir={out}"]
+    assert run([*base, "schedule.train_steps=3"], log=tmp_path / "1.log") == 0, tail(tmp_path / "1.log")
+    assert [r["step"] for r in load_metrics(out, "eval")] == [3]
+    # the finished run again: it resumes at its end and appends no second eval record
+    assert run([*base, "schedule.train_steps=3"], log=tmp_path / "2.log") == 0, tail(tmp_path / "2.log")
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"type": "eval"' in x]
+    assert [r["step"] for r in evals] == [3]
+    # longer, and another precision: a warning and an event for each
+    rc = run([*base, "schedule.train_steps=5", "precision=bf16"], log=tmp_path / "3.log")
+    assert rc == 0, tail(tmp_path / "3.log")
+    log = (tmp_path / "3.log").read_text()
+    assert "the schedule differs from checkpoint" in log and "the precision differs from checkpoint" in log
+    (sched,) = [e for e in _events(out) if e["event"] == "schedule_change"]
+    assert sched["step"] == 3 and sched["changed"]["train_steps"] == [3, 5]
+    (prec,) = [e for e in _events(out) if e["event"] == "precision_change"]
+    assert (prec["checkpoint"]["recipe"], prec["now"]["recipe"]) == ("nvfp4", "bf16")
