@@ -315,6 +315,7 @@ def save_hf(out: str | Path, config: dict, tensors: dict[str, torch.Tensor], *, 
     tmp = out / (SAFETENSORS_NAME + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
               metadata={"format": "pt", **(metadata or {})})
+    tmp.chmod(0o644)
     tmp.replace(out / SAFETENSORS_NAME)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
@@ -394,5 +395,8 @@ def import_hf(folder: str | Path, out: str | Path, *, model: str | None = None,
             raise ValueError(f"{folder} is not our {model!r}: " + "; ".join(diff))
         derived = target
     state = from_hf_state(derived, tensors)
-    return write_training_checkpoint(out, derived, state, overrides=(f"model={model}",) * (model is not None)
-                                     + tuple(overrides), meta_extra={"imported_from": str(folder)})
+    recorded = [f"model={model}"] if model is not None else []
+    if not any(o.startswith("data.seq_length=") for o in overrides):  # the export writes it back
+        recorded.append(f"data.seq_length={int(config.get('max_position_embeddings', 4096))}")
+    return write_training_checkpoint(out, derived, state, overrides=(*recorded, *overrides),
+                                     meta_extra={"imported_from": str(folder)})
