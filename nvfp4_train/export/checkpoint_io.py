@@ -112,13 +112,14 @@ def load_checkpoint_model(path: str | Path) -> tuple[RunInfo, dict[str, torch.Te
     """(run info, state dict at TP = PP = 1) of a training checkpoint of any layout. The tensors are the
     model's weights as trained (bf16), keyed by megatron's names with global block indices."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     info = read_run_info(path)
     model = build_model_single(info.model, dtype=torch.bfloat16)
     sharded = model.sharded_state_dict()
     try:
         state = dist_checkpointing.load(sharded, str(info.path / "dist"))
-    except Exception as e:  # megatron names the first tensor whose shape or key differs
+    except (Exception, CheckpointException) as e:  # megatron names the first tensor whose shape differs
         raise ValueError(f"checkpoint {info.path} does not fit its model config {info.model.name!r} "
                          f"({type(e).__name__}: {e}); the checkpoint's weights do not have the shapes that config "
                          f"gives") from e
