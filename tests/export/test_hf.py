@@ -192,3 +192,24 @@ def test_bad_inputs_are_named(trained_tiny, tmp_path, single_rank):
         load_checkpoint_model(ckpt)
     with pytest.raises(ValueError, match="is not a checkpoint"):
         load_checkpoint_model(tmp_path / "llama")
+
+
+@pytest.mark.dist
+def test_a_tensor_parallel_checkpoint_exports(tmp_path, single_rank, gen):
+    """A TP=2 checkpoint (two gloo ranks) exports: megatron reshards it to TP=1 on load, and transformers
+    computes what our TP=1 model computes with those weights."""
+    from transformers import NemotronHForCausalLM
+
+    from nvfp4_train.export.checkpoint_io import build_model_single, load_checkpoint_model
+    from nvfp4_train.export.hf import export_hf
+    from tests.export.conftest import train_tiny
+
+    run_dir = train_tiny(tmp_path / "tp2", "parallel.tp=2", nproc=2)
+    info, state = load_checkpoint_model(run_dir)
+    assert json.loads((info.path / "manifest.json").read_text())["meta"]["layout"]["tp"] == 2
+    out = export_hf(run_dir, tmp_path / "hf")
+    hf = NemotronHForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = build_model_single(info.model, dtype=torch.float32)
+    ours.load_state_dict(state, strict=False)
+    ids = torch.randint(0, info.model.vocab_size, (1, 32), generator=gen)
+    _assert_same_function(_logits_ours(ours, ids), hf, ids)
