@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from scripts._aten_ops import launches_kernel  # noqa: E402
 
 PROJECT = re.compile(r"(^|/)(models|nvfp4_train|scripts|megatron)/")
-SKIP = re.compile(r"op_census|bench_train|cpu_compat")  # the driver and wrappers, not sources
+SKIP = re.compile(r"op_census|bench_train|cuda_on_cpu")  # the driver and wrappers, not sources
 CPU_ONLY = re.compile(r"models/mamba/ssd\.py|rmsnorm_gated_ref|core/optimizer/optimizer\.py:\d+ step_with_ready_grads")
 TB_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 

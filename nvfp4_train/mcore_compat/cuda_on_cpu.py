@@ -1,6 +1,7 @@
-"""megatron-core on a machine without CUDA: the ONE place where we bend torch for it.
+"""megatron-core on a machine without CUDA (every supported release, 0.16.1 to 0.19.2): the ONE place where we
+bend torch for it.
 
-megatron-core 0.16.1 hard-codes CUDA in code paths a CPU run (the tests, ``make train``) goes through:
+megatron-core hard-codes CUDA in code paths a CPU run (the tests, ``make train``) goes through:
 tensors created with ``device=torch.cuda.current_device()`` or ``device="cuda"`` (parameter and gradient
 buffers, the sequence-parallel memory buffer, the optimizer, the pipeline schedules, p2p), ``Tensor.cuda()``,
 type checks such as ``param.type() == "torch.cuda.FloatTensor"`` (optimizers, grad clipping), and the RNG
@@ -15,7 +16,7 @@ tracker and checkpoint code calling ``torch.cuda.{current_device, get_rng_state,
    returns 0, ``synchronize`` and ``empty_cache`` do nothing, ``get_rng_state``/``set_rng_state`` use the
    CPU generator.
 
-Nothing in megatron-core itself is modified. ``tests/parallel/test_cpu_compat.py`` scans the installed
+Nothing in megatron-core itself is modified. ``tests/mcore_compat/test_cuda_on_cpu.py`` scans the installed
 megatron-core for every ``torch.cuda.<name>`` it uses in the modules we run and fails when an upgrade adds
 one this module does not know (handled here, harmless on CPU, or never reached by our code paths).
 """

@@ -1,4 +1,4 @@
-"""Guard of the one CPU-compatibility module (``nvfp4_train.parallel.cpu_compat``).
+"""Guard of the one CPU-compatibility module (``nvfp4_train.mcore_compat.cuda_on_cpu``).
 
 It scans the installed megatron-core modules our CPU runs go through for every ``torch.cuda.<name>`` they
 use and checks that each is handled (replaced by :data:`CUDA_FUNCTIONS`), harmless on a CPU-only torch
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from nvfp4_train.parallel.cpu_compat import CUDA_FUNCTIONS
+from nvfp4_train.mcore_compat.cuda_on_cpu import CUDA_FUNCTIONS
 
 # modules of megatron-core on the CPU paths of our tests and `make train`
 MODULES = [
@@ -71,12 +71,12 @@ def test_every_torch_cuda_use_is_known():
                 unknown.setdefault(name, []).append(mod)
     assert not unknown, (
         f"megatron-core uses torch.cuda names the CPU compatibility layer does not know: {unknown}. "
-        "Decide for each: handle it in nvfp4_train/parallel/cpu_compat.py, or list it here with the reason."
+        "Decide for each: handle it in nvfp4_train/mcore_compat/cuda_on_cpu.py, or list it here with the reason."
     )
 
 
 def test_compat_redirects_cuda_devices_and_types():
-    from nvfp4_train.parallel import cpu_compat
+    from nvfp4_train.mcore_compat import cuda_on_cpu as cpu_compat
 
     if not cpu_compat.needs_cpu_compat():
         return  # a CUDA machine runs megatron as written
