@@ -11,7 +11,6 @@ package, one module per concern, each function naming the release it is for:
     optimizer        the gradients of the norm (renamed in 0.19), the Adam ``step`` of the distributed optimizer
                      on load (0.16.1 ... 0.19.2)
     dist_ckpt        the dist-checkpoint writer's results queue (a module global of every release)
-    warnings         megatron-core's import-time and per-call warnings, shown once
 
 Where an attribute or argument tells the releases apart, the code tests for it (``hasattr``, the dataclass
 fields) rather than comparing version numbers: a patch release that back-ports a change then works too.
