@@ -14,6 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from models.config import ModelConfig
 from models.hybrid import HybridModel, HybridStack
 from models.pattern import HybridPattern
+from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
 __all__ = ["transformer_config", "stage_pattern", "build_model"]
@@ -91,9 +92,7 @@ def transformer_config(
         mamba_head_dim=model_cfg.mamba_head_dim or 64,
         mamba_num_groups=model_cfg.mamba_num_groups,
         mamba_num_heads=model_cfg.mamba_num_heads,
-        # megatron-core 0.16's default ("full") is deprecated by its own __post_init__, which warns on every
-        # build; an empty list is the same setting (no CUDA graphs are captured: cuda_graph_impl stays "none")
-        cuda_graph_scope=[],
+        **no_cuda_graph_kwargs(TransformerConfig),
     )
     return cfg
 

@@ -1,10 +1,11 @@
-"""``python -m models.summary model=<size>``: the pattern, block counts and parameter count of a model
-config, without building it (the count is analytic: ``models.config.count_parameters``; a test checks it
-against built models). Last line: ``parameters: N``."""
+"""``python -m models.summary model=<size>`` (installed: ``nvfp4-summary``): the pattern, block counts and
+parameter count of a model config, without building it (the count is analytic:
+``models.config.count_parameters``; a test checks it against built models). Last line: ``parameters: N``.
+
+    nvfp4-summary model=12b
+    nvfp4-summary --help | --cfg job model=12b | -m model=tiny,small,12b"""
 
 from __future__ import annotations
-
-import sys
 
 from models.config import count_parameters, parameter_breakdown
 
@@ -27,16 +28,10 @@ def summary(overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    """The command: ``--help``, ``--cfg job`` and ``-m`` as every tool's (``nvfp4_train.cli``)."""
+    from nvfp4_train.cli import summary_main
 
-    try:
-        print(summary(argv))
-    except (ValueError, HydraException, OmegaConfBaseException) as e:  # bad override/value: the message names it
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return summary_main(argv)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ a fallback.
 Resharding: megatron reshards the model state between any TP/PP/DP layouts. The distributed-optimizer state
 is saved in megatron-core's ``fully_reshardable`` format by default (``checkpoint.optim_format``): per
 parameter, gathered on DP rank 0 at save time, loadable under any layout. megatron-core 0.16.1 cannot load
-that format with torch's Adam (``KeyError: 'step'``: see :func:`_load_optimizer_state` for the two-part load
-used instead). ``dp_reshardable`` (each rank's flat shard, no gather) loads under another DP size only; under
+that format with torch's Adam (``KeyError: 'step'``: ``mcore_compat.optimizer`` loads it in two parts
+instead). ``dp_reshardable`` (each rank's flat shard, no gather) loads under another DP size only; under
 another TP/PP the model weights are loaded and the FP32 master weights restart from them with fresh Adam
 moments (a warning says so). (Its ``fully_sharded_model_space`` format is refused by dist-checkpointing:
 ``ShardedTensor.flattened_range is not supported``.)
@@ -52,6 +52,10 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from nvfp4_train.mcore_compat.dist_ckpt import set_write_results_queue, write_results_queue_set
+from nvfp4_train.mcore_compat.optimizer import init_optimizer_state as _init_optimizer_state
+from nvfp4_train.mcore_compat.optimizer import load_optimizer_state as _load_optimizer_state
 
 __all__ = [
     "CheckpointConfig",
@@ -603,7 +607,7 @@ def rng_state() -> dict:
     import torch
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    from nvfp4_train.parallel.cpu_compat import cpu_compat_active
+    from nvfp4_train.mcore_compat.cuda_on_cpu import cpu_compat_active
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(),
@@ -620,7 +624,7 @@ def set_rng_state(state: dict) -> None:
     import torch
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    from nvfp4_train.parallel.cpu_compat import cpu_compat_active
+    from nvfp4_train.mcore_compat.cuda_on_cpu import cpu_compat_active
 
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -688,80 +692,11 @@ def _rank() -> int:
     return dist.get_rank() if dist else 0
 
 
-def _init_optimizer_state(optimizer) -> None:
-    """Give every parameter of the inner torch optimizer an (empty) Adam state with a ``step`` before a load.
-
-    megatron-core 0.16.1's distributed optimizer reads the Adam ``step`` from the inner torch optimizer's
-    state when it builds the sharded state dict to load into; before the first update that state is empty
-    and it fails (``assert len(steps) == 1``). The load overwrites all of these values.
-    """
-    import torch
-
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if inner is None:
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p.data)
-                    st["exp_avg_sq"] = torch.zeros_like(p.data)
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """Give each parameter its own Adam ``step`` tensor, with the checkpoint's value, after a load.
-
-    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch-Adam path) keeps the saved step
-    in each param group's ``step`` and writes ONE shared tensor into the parameters' states (or, when the
-    states already exist, leaves their old value: 0 from :func:`_init_optimizer_state`). torch's foreach
-    Adam increments each state's step in place, so a shared tensor would advance by the number of parameters
-    per update. Either way the bias correction after a resume would differ from an uninterrupted run.
-    """
-    import torch
-
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if inner is None:
-            continue
-        for group in inner.param_groups:
-            step = group.get("step")
-            for p in group["params"]:
-                st = inner.state.get(p)
-                if not st or (step is None and "step" not in st):
-                    continue
-                value = float(step) if step is not None else float(st["step"])
-                st["step"] = torch.tensor(value, dtype=torch.float32)
-
-
 def _sharded_state(ddp, optimizer, *, is_loading: bool, optim_format: str) -> dict:
     model_sd = ddp.module.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": optim_format}
     return {"model": model_sd,
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
-
-
-def _load_optimizer_state(optimizer, osd: dict, optim_format: str) -> None:
-    """``optimizer.load_state_dict(osd)``, working around megatron-core 0.16.1's ``fully_reshardable`` load
-    with torch's Adam: ``load_state_dict`` first writes the saved ``step`` into every parameter's state, then
-    ``load_parameter_state_from_fully_reshardable`` copies every state key, ``step`` included, from per-
-    parameter tensors that have none (``KeyError: 'step'``). So: load the common part, drop ``step`` from
-    the states, load the parameter state, then restore ``step`` from the param groups."""
-    if optim_format != "fully_reshardable":
-        optimizer.load_state_dict(osd)
-        _restore_adam_steps(optimizer)
-        return
-    subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(subs) != 1 or "param_state" not in osd:
-        raise NotImplementedError("fully_reshardable optimizer checkpoints of several chained optimizers")
-    sub = subs[0]
-    common = {k: v for k, v in osd.items() if k not in ("param_state", "param_state_sharding_type")}
-    sub.load_state_dict(common)
-    for st in sub.optimizer.state.values():
-        st.pop("step", None)
-    sub.load_parameter_state_from_fully_reshardable(osd["param_state"])
-    _restore_adam_steps(optimizer)
 
 
 _writer_manager = None
@@ -796,9 +731,7 @@ def start_checkpoint_writer() -> None:
     import signal
     from multiprocessing.managers import SyncManager
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is not None:
+    if write_results_queue_set():
         return
     sigs = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
@@ -809,7 +742,7 @@ def start_checkpoint_writer() -> None:
         for s, h in old.items():
             signal.signal(s, h)
     _writer_manager = manager
-    filesystem_async._results_queue = manager.Queue()
+    set_write_results_queue(manager.Queue())
 
 
 def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, trainer_state: dict, config_yaml: str,

@@ -93,7 +93,7 @@ def peak_memory_gb() -> float:
     """Peak allocated CUDA memory of this process, or its peak resident set size on CPU, in GB."""
     import torch
 
-    from nvfp4_train.parallel.cpu_compat import cpu_compat_active
+    from nvfp4_train.mcore_compat.cuda_on_cpu import cpu_compat_active
 
     if torch.cuda.is_available() and not cpu_compat_active():
         return torch.cuda.max_memory_allocated() / 1e9

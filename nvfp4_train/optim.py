@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nvfp4_train.mcore_compat.optimizer import grads_for_grad_norm
+
 __all__ = ["OptimConfig", "build_ddp", "build_optimizer", "megatron_optimizer_config", "optimizer_step",
            "clip_grad_norm_sync_free"]
 
@@ -161,7 +163,7 @@ def clip_grad_norm_sync_free(optimizers: list, max_norm: float, *, shared_group:
     """Megatron's global-norm clipping of the (chained) ``optimizers`` without a host sync; returns the
     total norm as a 0-d float64 device tensor.
 
-    The norm is over ``get_main_grads_for_grad_norm()`` of each optimizer (no shared parameters, no
+    The norm is over ``grads_for_grad_norm(o)`` of each optimizer (no shared parameters, no
     tensor-parallel duplicates), its square summed over ``get_grad_stats_parallel_group()`` (the
     distributed optimizer: every rank of the instance, each holding its shard of the gradients) and over
     the optimizers: one all-reduce for all when they share the group (``shared_group``, as
@@ -173,12 +175,12 @@ def clip_grad_norm_sync_free(optimizers: list, max_norm: float, *, shared_group:
 
     opts = list(optimizers)
     if shared_group and opts:
-        grads = [g for o in opts for g in o.get_main_grads_for_grad_norm()]
+        grads = [g for o in opts for g in grads_for_grad_norm(o)]
         total = _sum_of_squares(grads, opts[0].get_grad_stats_parallel_group())
     else:
         total = None
         for o in opts:
-            sq = _sum_of_squares(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group())
+            sq = _sum_of_squares(grads_for_grad_norm(o), o.get_grad_stats_parallel_group())
             total = sq if total is None else total + sq
         if total is None:
             total = torch.zeros(1, dtype=torch.float32, device=_stats_device())

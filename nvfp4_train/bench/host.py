@@ -28,7 +28,7 @@ Layer variants: ``function`` is ``quantized_linear`` (the autograd Function); ``
 non-finite check of ``LayerTelemetry`` as the megatron layer calls it (``probe_input_grad`` on the input,
 ``check_output`` on the output: on by default in training); ``megatron`` is the whole
 ``QuantColumnParallelLinear`` at TP=1 on a one-rank gloo group (weight cache on, the check on), i.e. megatron's
-own layer code as well (megatron on CPU needs ``nvfp4_train.parallel.cpu_compat``'s ``TorchFunctionMode``, which
+own layer code as well (megatron on CPU needs ``nvfp4_train.mcore_compat.cuda_on_cpu``'s ``TorchFunctionMode``, which
 would add a Python call to every torch function: it is on while the layer is built and off while it is measured).
 ``--uncached`` clears the weight cache before every iteration (timed): the first micro-batch of each step, which
 also quantizes the weight. Operand telemetry (``set_telemetry``, every N steps) is not on the hot path and not
@@ -173,7 +173,7 @@ def _build(recipe_name: str, layer: str, m: int, k: int, n: int, uncached: bool 
 
 def _cpu_compat_mode():
     """The CPU-compat TorchFunctionMode (megatron on CPU), or None."""
-    from nvfp4_train.parallel import cpu_compat
+    from nvfp4_train.mcore_compat import cuda_on_cpu as cpu_compat
 
     return cpu_compat._mode
 

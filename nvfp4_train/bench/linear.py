@@ -88,7 +88,7 @@ TARGETS = {  # (recipe, quantity) -> (limit, strict); "time": synchronized itera
 def setup_single_rank(device: torch.device) -> None:
     """A one-rank process group and megatron's parallel state at TP=1 (megatron's layers need them)."""
     if device.type == "cpu":
-        from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+        from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat
 
         enable_cpu_compat()
     store = os.path.join(tempfile.mkdtemp(prefix="bench_linear_"), "store")

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nvfp4_train.bench.aten_ops import launches_kernel
 
 PROJECT = re.compile(r"(^|/)(models|nvfp4_train|scripts|megatron)/")
-SKIP = re.compile(r"nvfp4_train/bench/|cpu_compat")  # the driver and wrappers, not sources
+SKIP = re.compile(r"nvfp4_train/bench/|cuda_on_cpu")  # the driver and wrappers, not sources
 CPU_ONLY = re.compile(r"models/mamba/ssd\.py|rmsnorm_gated_ref|core/optimizer/optimizer\.py:\d+ step_with_ready_grads")
 TB_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 

@@ -1,15 +1,31 @@
-"""Compose a config from ``configs/`` with Hydra's compose API (no Hydra app, no output directory)."""
+"""Compose a config from the YAML tree with Hydra's compose API (no Hydra app, no output directory).
+
+The tree is ``configs/`` of the repository; an installed wheel carries the same files as the package data
+``nvfp4_train/configs/`` (``setup.py``). :data:`CONFIG_DIR` is whichever this installation has; every
+function takes another tree as ``config_dir``."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_DIR", "register_configs", "compose_config", "check_known_keys", "check_finite"]
+__all__ = ["CONFIG_DIR", "default_config_dir", "register_configs", "compose_config", "check_known_keys",
+           "check_finite", "check_run", "config_groups"]
 
-CONFIG_DIR = Path(os.environ.get("NVFP4_TRAIN_CONFIG_DIR", Path(__file__).resolve().parents[2] / "configs"))
-"""The YAML tree (``configs/`` of the checkout; override with ``NVFP4_TRAIN_CONFIG_DIR``)."""
+
+def default_config_dir() -> Path:
+    """The YAML tree of this installation: the wheel's package data ``nvfp4_train/configs``, else the
+    checkout's ``configs/`` (a source tree or an editable install)."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "configs", package.parent / "configs"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"no config tree: neither {package / 'configs'} (an installed wheel) nor "
+                            f"{package.parent / 'configs'} (a checkout) has train.yaml; reinstall nvfp4-train")
+
+
+CONFIG_DIR = default_config_dir()
+"""The YAML tree (see :func:`default_config_dir`)."""
 
 
 def register_configs() -> None:
@@ -21,8 +37,10 @@ def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
 
 
-def compose_config(config_name: str, overrides: Sequence[str] = (), *, as_object: bool = True):
-    """Compose ``configs/<config_name>.yaml`` with command-line style ``overrides``.
+def compose_config(config_name: str, overrides: Sequence[str] = (), *, as_object: bool = True,
+                   config_dir: str | Path | None = None):
+    """Compose ``<config_dir>/<config_name>.yaml`` (default :data:`CONFIG_DIR`) with command-line style
+    ``overrides``.
 
     Returns the typed dataclass tree (``Config``) when ``as_object``, else the ``DictConfig``. Unknown keys
     and wrong types raise (Hydra's ``ConfigCompositionException`` / OmegaConf's errors name the key);
@@ -34,7 +52,7 @@ def compose_config(config_name: str, overrides: Sequence[str] = (), *, as_object
 
     register_configs()
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        with initialize_config_dir(config_dir=str(Path(config_dir or CONFIG_DIR).resolve()), version_base=None):
             cfg = compose(config_name=config_name, overrides=list(overrides))
     except ConfigCompositionException as e:
         raise ValueError(_explain(e)) from e
@@ -174,3 +192,17 @@ def check_run(cfg, world_size: int) -> None:
                              f"but a micro-batch has schedule.micro_batch_size * data.seq_length = "
                              f"{sc.micro_batch_size} * {cfg.data.seq_length} = {tokens}: make it a multiple of "
                              f"{block}, or keep those layers in bf16 with precision rules")
+
+
+def config_groups(config_name: str, config_dir: str | Path | None = None) -> dict[str, tuple[str | None, list[str]]]:
+    """``{group: (default option, [options])}`` of ``<config_dir>/<config_name>.yaml``'s defaults list (for
+    ``--help``)."""
+    from omegaconf import OmegaConf
+
+    root = Path(config_dir or CONFIG_DIR)
+    defaults = {}
+    for entry in OmegaConf.to_container(OmegaConf.load(root / f"{config_name}.yaml")).get("defaults", []):
+        if isinstance(entry, dict):
+            defaults.update(entry)
+    return {group: (default, sorted(p.stem for p in (root / group).glob("*.yaml")))
+            for group, default in defaults.items()}

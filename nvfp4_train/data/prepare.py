@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -221,16 +222,20 @@ class _SplitWriter:
     """One split: an IndexedDatasetBuilder on temporary files, renamed by `commit`."""
 
     def __init__(self, prefix: Path, dtype) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
         self.prefix = prefix
         self.tmp_bin = prefix.with_name(prefix.name + ".tmp.bin")
         self.tmp_idx = prefix.with_name(prefix.name + ".tmp.idx")
-        self.builder = IndexedDatasetBuilder(str(self.tmp_bin), dtype=dtype)
         self.dtype = dtype
         self.docs = 0
         self.tokens = 0
         self.bytes = 0
+
+    @cached_property
+    def builder(self):
+        # megatron-core (a ~6-9 s import) only once a document is written: a bad input is reported at once
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        return IndexedDatasetBuilder(str(self.tmp_bin), dtype=self.dtype)
 
     def add(self, ids: list[int], eod: int, nbytes: int) -> None:
         arr = np.empty(len(ids) + 1, dtype=self.dtype)
@@ -247,7 +252,8 @@ class _SplitWriter:
         os.replace(self.tmp_idx, f"{self.prefix}.idx")
 
     def abort(self) -> None:
-        self.builder.data_file.close()
+        if "builder" in self.__dict__:
+            self.builder.data_file.close()
         for f in (self.tmp_bin, self.tmp_idx):
             f.unlink(missing_ok=True)
 

@@ -100,7 +100,7 @@ def setup_parallel(cfg: ParallelConfig, *, seed: int) -> ParallelState:
     import torch
     import torch.distributed as dist
 
-    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+    from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat
 
     compat = enable_cpu_compat()
     cuda = torch.cuda.is_available()
@@ -167,7 +167,7 @@ def init_single_process() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+    from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat
 
     enable_cpu_compat()  # a no-op with CUDA
     if not dist.is_initialized():

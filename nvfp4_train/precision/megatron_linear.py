@@ -50,6 +50,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.utils import get_pg_size
 
 from kernels.sr_key import layer_stream
+from nvfp4_train.mcore_compat.linear import forward_impl_kwargs
 from nvfp4_train.precision.linear import LinearContext, quantized_linear
 from nvfp4_train.precision.recipe import BF16, GEMM_ROLES, QuantRecipe
 from nvfp4_train.precision.telemetry import LayerTelemetry, probe_input_grad
@@ -204,7 +205,7 @@ class _QuantLayer:
         if self.lctx.recipe.is_bf16:
             y = super()._forward_impl(input, weight, *args, **kwargs)
         else:
-            y = self._quantized_forward(input, weight, **kwargs)
+            y = self._quantized_forward(input, weight, **forward_impl_kwargs(kwargs))
         tel.check_output(y)
         return y
 

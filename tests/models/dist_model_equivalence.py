@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nvfp4_train.parallel.cpu_compat import enable_cpu_compat  # noqa: E402
+from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat  # noqa: E402
 
 LR = 0.5  # large enough that a wrong gradient moves the second loss visibly
 

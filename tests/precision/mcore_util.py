@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nvfp4_train.parallel.cpu_compat import enable_cpu_compat
+from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat
 
 
 def free_port() -> int:

@@ -1,6 +1,7 @@
-"""megatron-core on a machine without CUDA: the ONE place where we bend torch for it.
+"""megatron-core on a machine without CUDA (every supported release, 0.16.1 to 0.19.2): the ONE place where we
+bend torch for it.
 
-megatron-core 0.16.1 hard-codes CUDA in code paths a CPU run (the tests, ``make train``) goes through:
+megatron-core hard-codes CUDA in code paths a CPU run (the tests, ``make train``) goes through:
 tensors created with ``device=torch.cuda.current_device()`` or ``device="cuda"`` (parameter and gradient
 buffers, the sequence-parallel memory buffer, the optimizer, the pipeline schedules, p2p), ``Tensor.cuda()``,
 type checks such as ``param.type() == "torch.cuda.FloatTensor"`` (optimizers, grad clipping), and the RNG
@@ -13,9 +14,9 @@ tracker and checkpoint code calling ``torch.cuda.{current_device, get_rng_state,
    ``Tensor.type()`` with the ``torch.cuda.`` prefix megatron's type checks expect;
 2. a few ``torch.cuda`` functions (:data:`CUDA_FUNCTIONS`) replaced by CPU equivalents: ``current_device``
    returns 0, ``synchronize`` and ``empty_cache`` do nothing, ``get_rng_state``/``set_rng_state`` use the
-   CPU generator.
+   CPU generator, ``current_stream`` (megatron-core >= 0.19) is a stream whose waits do nothing.
 
-Nothing in megatron-core itself is modified. ``tests/parallel/test_cpu_compat.py`` scans the installed
+Nothing in megatron-core itself is modified. ``tests/mcore_compat/test_cuda_on_cpu.py`` scans the installed
 megatron-core for every ``torch.cuda.<name>`` it uses in the modules we run and fails when an upgrade adds
 one this module does not know (handled here, harmless on CPU, or never reached by our code paths).
 """
@@ -88,12 +89,33 @@ def _set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
     torch.set_rng_state(new_state)
 
 
+class _CpuStream:
+    """What ``torch.cuda.current_stream()`` gives on CPU: a stream whose waits do nothing (CPU ops run in
+    order)."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _current_stream(device=None) -> _CpuStream:
+    # megatron-core >= 0.19: DDP's start_grad_sync waits on the current stream for CUDA-graph replay events
+    # (there are none on CPU) before every gradient reduction
+    return _CpuStream()
+
+
 CUDA_FUNCTIONS: dict[str, object] = {
     "current_device": _current_device,
     "synchronize": _noop,
     "empty_cache": _noop,
     "get_rng_state": _get_rng_state,
     "set_rng_state": _set_rng_state,
+    "current_stream": _current_stream,
 }
 """``torch.cuda`` attributes replaced on CPU (also in ``torch.cuda.random`` where it defines them)."""
 

@@ -1,0 +1,292 @@
+"""The command lines, with Hydra's usual options around the compose API.
+
+    nvfp4-train ...            (``python train.py ...``)             train a model
+    nvfp4-summary ...          (``python -m models.summary ...``)     pattern and parameter count of a model
+    nvfp4-precision-table ...  (``python -m nvfp4_train.precision.table ...``)  the layer precision table
+
+Each takes Hydra overrides (``group=option``, ``section.key=value``, ``+key=value``) and:
+
+    -h, --help          the config groups with their options and defaults, then the tool's own help
+    --cfg job           print the resolved config (YAML) and exit without running
+    -m, --multirun      a sweep: ``a=1,2 b=x,y`` runs every combination, one after the other (training: one
+                        process per run, each in ``<run dir>/<n>`` unless ``experiment.run_dir`` is swept)
+
+The tools compose with ``nvfp4_train.config.compose_config`` (no ``@hydra.main``: no output directory per
+launch or rank, no working-directory change).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["parse_args", "sweep", "help_text", "train_main", "summary_main", "table_main", "CliArgs"]
+
+CFG_KINDS = ("job",)
+
+
+class CliArgs:
+    """What :func:`parse_args` found: the overrides, and the options among ``--help``, ``--cfg``, ``-m``."""
+
+    def __init__(self, overrides: list[str], help: bool, cfg: str | None, multirun: bool) -> None:
+        self.overrides = overrides
+        self.help = help
+        self.cfg = cfg
+        self.multirun = multirun
+
+
+def parse_args(argv: Sequence[str]) -> CliArgs:
+    """Split Hydra's options from the overrides; an unknown ``-option`` is a ``ValueError`` naming it."""
+    overrides: list[str] = []
+    help_, cfg, multirun = False, None, False
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-h", "--help"):
+            help_ = True
+        elif a in ("-m", "--multirun"):
+            multirun = True
+        elif a in ("-c", "--cfg") or a.startswith("--cfg="):
+            if "=" in a:
+                cfg = a.split("=", 1)[1]
+            elif i + 1 < len(args):
+                i += 1
+                cfg = args[i]
+            else:
+                raise ValueError(f"{a} needs a value: {a} job")
+            if cfg not in CFG_KINDS:
+                raise ValueError(f"--cfg {cfg}: only --cfg job is supported (the config of the run; there is no "
+                                 f"Hydra app config)")
+        elif a.startswith("-"):
+            raise ValueError(f"unknown option {a!r}: the options are --help, --cfg job, -m/--multirun; "
+                             f"everything else is an override such as schedule.train_steps=50")
+        else:
+            overrides.append(a)
+        i += 1
+    return CliArgs(overrides, help_, cfg, multirun)
+
+
+def sweep(overrides: Sequence[str]) -> list[list[str]]:
+    """Every combination of the comma-separated values in ``overrides`` (Hydra's basic sweeper: its
+    override grammar, ``a=1,2``, ``a=range(1,4)``, ``a=choice(x,y)``), in Hydra's order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def help_text(prog: str, doc: str, config_name: str) -> str:
+    """``--help``: the tool's docstring, the config groups (default first) and the common options."""
+    from nvfp4_train.config.compose import config_groups
+
+    lines = [doc.strip(), "", f"Config groups of {config_name}.yaml (choose with group=option; default in []):"]
+    for group, (default, options) in config_groups(config_name).items():
+        shown = ", ".join(f"[{o}]" if o == default else o for o in options)
+        lines.append(f"  {group:<12} {shown}")
+    lines += ["", "Any key can be overridden: section.key=value (for example schedule.train_steps=50);",
+              f"`{prog} --cfg job [overrides]` prints every key with its value.", "",
+              "Options: -h/--help, --cfg job (print the resolved config, do not run), "
+              "-m/--multirun (sweep a=1,2 b=x,y)."]
+    return "\n".join(lines)
+
+
+def _error(prog: str, e: BaseException) -> int:
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:  # Hydra puts the key and the reason in the cause
+        seen.add(id(e))
+        msg = str(e).strip()
+        if msg and msg not in parts and "$VALUE" not in msg:
+            parts.append(msg)
+        e = e.__cause__ or e.__context__
+    print(f"{prog}: config error: " + "\n  caused by: ".join(parts), file=sys.stderr)
+    return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return ValueError, TypeError, KeyError, HydraException, OmegaConfBaseException
+
+
+def run_tool(argv: Sequence[str], *, prog: str, doc: str, config_name: str,
+             run: Callable[[list[str]], int], catch: bool = True) -> int:
+    """The common command line of a tool that composes ``config_name``: ``--help``, ``--cfg job``,
+    ``-m`` (each job of a sweep through ``run(overrides)``, in this process), else ``run(overrides)``.
+    Returns the exit status: 0, 2 for a bad command line or config, or the first failing job's status.
+    ``catch``: a user error (``ValueError``, Hydra's, ...) raised by ``run`` is reported as a config error
+    (status 2); else it propagates."""
+    try:
+        args = parse_args(argv)
+        if args.help:
+            print(help_text(prog, doc, config_name))
+            return 0
+        jobs = sweep(args.overrides) if args.multirun else [args.overrides]
+        if args.cfg:
+            from omegaconf import OmegaConf
+
+            from nvfp4_train.config.compose import compose_config
+
+            for job in jobs:
+                print(OmegaConf.to_yaml(compose_config(config_name, job, as_object=False), resolve=True), end="")
+            return 0
+    except _user_errors() as e:
+        return _error(prog, e)
+    for n, job in enumerate(jobs):
+        if args.multirun:
+            print(f"[{prog}] #{n} {' '.join(job)}", flush=True)
+        if not catch:
+            status = run(job)
+            if status:
+                return status
+            continue
+        try:
+            status = run(job)
+        except _user_errors() as e:
+            status = _error(prog, e)
+        if status:
+            return status
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# train
+
+
+TRAIN_DOC = """nvfp4-train (python train.py): compose the config (train.yaml + overrides), build, train.
+
+    nvfp4-train model=tiny precision=nvfp4 schedule.train_steps=50
+    torchrun --nproc-per-node 8 train.py model=1.2b parallel.tp=2 experiment.name=run1
+    nvfp4-train -m precision=bf16,nvfp4 experiment.name=cmp      (one run after the other)
+
+The run directory is experiment.run_dir (default runs/<experiment.name>), shared by all ranks.
+Exit status: 0 done, or stopped cleanly by SIGTERM/SIGUSR1 (checkpoint saved; before the first step: nothing
+to save); 2 bad config (one line naming the key), or the run directory is in use by another run; 3 diverged;
+4 a checkpoint could not be written (no space, a file-size limit, a read-only directory; earlier ones intact)."""
+
+
+class _StoppedBeforeTraining(BaseException):  # not an Exception: no error handler may take it for one
+    pass
+
+
+def _stop_before_training(signum, _frame):
+    raise _StoppedBeforeTraining(signum)
+
+
+def _train_one(overrides: list[str]) -> int:
+    """One training run in this process. Until the trainer takes the stop signals over, SIGTERM/SIGUSR1 end
+    the launch with a message and status 0 (nothing to save yet)."""
+    import signal
+
+    previous = {sig: signal.signal(sig, _stop_before_training) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return _train_one_run(overrides)
+    except _StoppedBeforeTraining as e:
+        print(f"train.py: stopped by signal {signal.Signals(e.args[0]).name} before training started "
+              f"(nothing to save)", file=sys.stderr)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _train_one_run(overrides: list[str]) -> int:
+    import os
+
+    from nvfp4_train.config import compose_config
+    from nvfp4_train.config.compose import check_run
+
+    world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    try:
+        cfg = compose_config("train", overrides)
+        check_run(cfg, world_size)  # what would otherwise fail only after the model is built
+    except _user_errors() as e:  # Hydra / OmegaConf / schema validation: the message names the key or value
+        return _error("train.py", e)
+    from nvfp4_train.checkpoint import CheckpointWriteError
+    from nvfp4_train.trainer import RunDirLocked, TrainingDiverged, train
+
+    try:
+        train(cfg)
+    except RunDirLocked as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 3
+    except CheckpointWriteError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 4
+    return 0
+
+
+def _train_sweep_job(overrides: list[str], n: int) -> list[str]:
+    """A sweep job's overrides with its own run directory (``<run dir>/<n>``) unless the sweep sets one."""
+    if any(o.lstrip("+~").startswith("experiment.run_dir=") for o in overrides):
+        return overrides
+    from nvfp4_train.config import compose_config
+
+    base = compose_config("train", overrides).experiment.resolved_run_dir()
+    return [*overrides, f"experiment.run_dir={base}/{n}"]
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    """``nvfp4-train`` / ``python train.py``. A sweep runs each job in its own process (a training run owns
+    its process: process groups, signal handlers, the checkpoint writer); never sweep under torchrun."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        multirun = parse_args(argv).multirun
+    except ValueError as e:
+        return _error("nvfp4-train", e)
+    if not multirun:
+        return run_tool(argv, prog="nvfp4-train", doc=TRAIN_DOC, config_name="train", run=_train_one, catch=False)
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print("nvfp4-train: -m/--multirun under torchrun would start every job on every rank: launch one "
+              "torchrun per job instead", file=sys.stderr)
+        return 2
+    counter = iter(range(1 << 30))
+
+    def one_process(job: list[str]) -> int:
+        job = _train_sweep_job(job, next(counter))
+        return subprocess.call([sys.executable, "-m", "nvfp4_train.cli", "train", *job])
+
+    return run_tool(argv, prog="nvfp4-train", doc=TRAIN_DOC, config_name="train", run=one_process, catch=False)
+
+
+def summary_main(argv: Sequence[str] | None = None) -> int:
+    """``nvfp4-summary`` / ``python -m models.summary``."""
+    from models.summary import __doc__ as doc
+    from models.summary import summary
+
+    def one(job: list[str]) -> int:
+        print(summary(job))
+        return 0
+
+    return run_tool(list(sys.argv[1:] if argv is None else argv), prog="nvfp4-summary", doc=doc,
+                    config_name="table", run=one)
+
+
+def table_main(argv: Sequence[str] | None = None) -> int:
+    """``nvfp4-precision-table`` / ``python -m nvfp4_train.precision.table``."""
+    from nvfp4_train.precision.table import __doc__ as doc
+    from nvfp4_train.precision.table import render
+
+    def one(job: list[str]) -> int:
+        print(render(job))
+        return 0
+
+    return run_tool(list(sys.argv[1:] if argv is None else argv), prog="nvfp4-precision-table", doc=doc,
+                    config_name="table", run=one)
+
+
+_TOOLS = {"train": train_main, "summary": summary_main, "table": table_main}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in _TOOLS:
+        print(f"usage: python -m nvfp4_train.cli {{{','.join(_TOOLS)}}} [options] [overrides]", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_TOOLS[sys.argv[1]](sys.argv[2:]))
