@@ -108,7 +108,7 @@ def test_overrides_reach_the_map():
     ],
 )
 def test_wrong_key_is_an_error_naming_it(override, names):
-    with pytest.raises(ConfigCompositionException) as info:
+    with pytest.raises(ValueError) as info:
         compose_config("table", [override])
     assert names in _chain(info.value)
 
@@ -123,7 +123,7 @@ def test_appended_unknown_key_is_an_error_naming_it():
     [("model.hidden_size=wide", "model.hidden_size"), ("precision.ablations.rht=maybe", "precision.ablations.rht")],
 )
 def test_wrong_type_is_an_error_naming_it(override, names):
-    with pytest.raises(ConfigCompositionException) as info:
+    with pytest.raises(ValueError) as info:
         compose_config("table", [override])
     assert names in _chain(info.value)
 
