@@ -26,8 +26,8 @@ sha256) and names the first bad, missing or added file. ``resume=auto`` tries th
 (``latest`` names the newest; it is for people and tools), skips those whose weights were not finite, and
 warns for each one it has to skip (:func:`newest_good_checkpoint` is the same choice, quietly). With
 ``checkpoint.trust=false`` (the default) nothing a checkpoint holds is unpickled outside an allow-list
-(``nvfp4_train.mcore_compat.safe_load``; docs/reliability.md, threat model). A checkpoint of another model (a different ``ModelConfig``) is a ``ValueError``, not
-a fallback.
+(``nvfp4_train.mcore_compat.safe_load``; docs/reliability.md, threat model). A checkpoint of another model
+(a different ``ModelConfig``) is a ``ValueError``, not a fallback.
 
 Resharding: megatron reshards the model state between any TP/PP/DP layouts. The distributed-optimizer state
 is saved in megatron-core's ``fully_reshardable`` format by default (``checkpoint.optim_format``): per

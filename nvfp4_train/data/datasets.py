@@ -11,6 +11,8 @@ with EOD), ``labels`` are the tokens shifted by one; order depends only on ``see
 counts and ``seq_length``, never on the process or the number of ranks. megatron-core writes its sample
 indices to ``cache_dir`` and reuses them when the same dataset is
 asked for again; the names hash the tokenizer's sha256, so a new tokenizer never reuses stale indices.
+Before megatron-core opens them, ``check_index_caches`` removes (for a rebuild) any that is truncated or not
+a plain ``.npy`` array, naming it: megatron-core would memory-map a cut file or unpickle a non-``.npy`` one.
 (Without ``cache_dir`` megatron-core uses ``<prefix>/cache/GPTDataset_indices/``, a folder named like the
 prefix, and does not cache blend indices.)
 

@@ -47,7 +47,8 @@ def _save(root: Path, step: int, *, keep_last: int = 3, crash: str | None = None
     _payload(tmp, step)
     if crash == "before_manifest":
         return tmp
-    write_manifest(tmp, step=step, meta={"model": {"hidden_size": 64}, **({} if finite is None else {"finite": finite})})
+    meta = {"model": {"hidden_size": 64}, **({} if finite is None else {"finite": finite})}
+    write_manifest(tmp, step=step, meta=meta)
     if crash == "before_rename":
         return tmp
     final = commit_checkpoint(tmp, root, step)
