@@ -255,8 +255,9 @@ class RunDirLocked(RuntimeError):
 class _RunDirLock:
     """An exclusive ``fcntl.flock`` on ``<run dir>/.lock``, held by rank 0 for the trainer's lifetime.
 
-    The file holds the holder's pid and host. The kernel releases a flock when its process dies (SIGKILL
-    included), so a lock file left by a killed run is not held: the next run takes it and says whose it was.
+    The file holds the holder's pid and host, emptied when the run ends. The kernel releases a flock when its
+    process dies (SIGKILL included), so a lock file left by a killed run is not held: the next run takes it
+    and says whose it was.
     On a shared filesystem the lock is as good as its flock: NFSv4 and Lustre mounted with ``flock`` (or
     ``localflock`` for one node) honour it; without that two runs on different nodes are not kept apart."""
 
@@ -282,6 +283,7 @@ class _RunDirLock:
         import os
 
         if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # a lock file left with a holder in it: a run that did not end cleanly
             os.close(self.fd)  # closing the only descriptor drops the flock
             self.fd = None
 

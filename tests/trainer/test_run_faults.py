@@ -120,3 +120,4 @@ def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(tmp_
     assert sched["step"] == 3 and sched["changed"]["train_steps"] == [3, 5]
     (prec,) = [e for e in _events(out) if e["event"] == "precision_change"]
     assert (prec["checkpoint"]["recipe"], prec["now"]["recipe"]) == ("nvfp4", "bf16")
+    assert not [e for e in _events(out) if e["event"] == "lock_taken_over"]  # each run released it cleanly
