@@ -9,6 +9,7 @@ the pure-PyTorch reference otherwise; both give the same bits):
     row, col = quantize_nvfp4_rowcol(x, ...)               # both copies a linear layer needs, one pass
     nvfp4_gemm(a, b, out_dtype=torch.bfloat16)             # C[M, N] = A[M, K] . B[N, K]^T
     gemm_engine()                 # the GEMM engine nvfp4_gemm uses now: $NVFP4_GEMM_ENGINE, "cublas" if unset
+    fp4_gemm_engine(device)       # the same with "auto" resolved ("native" only on sm_100+)
 
 See ``reference.py`` for the exact arithmetic and the non-finite policy.
 """
@@ -20,6 +21,7 @@ import os
 import torch
 
 from kernels._dispatch import use_triton
+from kernels.fp4_native import AUTO, NATIVE, resolve_gemm_engine
 from kernels.fp4_reference import seed_key
 from kernels.nvfp4.reference import (
     BLOCK,
@@ -44,6 +46,8 @@ __all__ = [
     "dequantize_nvfp4",
     "nvfp4_gemm",
     "gemm_engine",
+    "fp4_gemm_engine",
+    "NATIVE_ENGINES",
     "GEMM_ENGINE_ENV",
     "GEMM_ENGINES",
     "DEFAULT_GEMM_ENGINE",
@@ -76,8 +80,9 @@ def _triton():
     return _TRITON_MODULES
 
 
-def _wrap(codes, scales_u8, amax, block_2d) -> NVFP4Tensor:
-    return NVFP4Tensor(codes=codes, scales=scales_u8.view(torch.float8_e4m3fn), amax=amax, block_2d=block_2d)
+def _wrap(codes, scales_u8, amax, block_2d, swizzled=False) -> NVFP4Tensor:
+    return NVFP4Tensor(codes=codes, scales=scales_u8.view(torch.float8_e4m3fn), amax=amax, block_2d=block_2d,
+                       swizzled=swizzled)
 
 
 def quantize_nvfp4(
@@ -87,15 +92,18 @@ def quantize_nvfp4(
     stochastic: bool = False,
     seed: int = 0,
     amax: torch.Tensor | None = None,
+    swizzled: bool = False,
 ) -> NVFP4Tensor:
     """Quantize a 2-D bf16/fp32 tensor to NVFP4, blocks of 16 along the last dim (16x16 tiles when
     ``block_2d``). ``rht`` mixes each 16 consecutive elements of the last dim with the Random Hadamard
     Transform first (pass x^T for a columnwise copy); ``stochastic`` rounds with 8 random bits per
-    element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax."""
+    element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax.
+    ``swizzled``: the scales are written in the native GEMM's 128x4-tile layout (``kernels/fp4_layout.py``)."""
     check_input(x, block_2d)
     check_amax(amax)
     if not use_triton(x):
-        return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax)
+        return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax,
+                                  swizzled=swizzled)
     from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
 
     key = seed_key(seed)
@@ -107,13 +115,13 @@ def quantize_nvfp4(
         # the columnwise path of the fused kernel mixes along the first dim: feed it x^T (a view)
         _, _, codes, scales, am = quantize_nvfp4_rowcol_triton(
             x.t(), write_row=False, write_col=True, col_rht=True, col_stochastic=stochastic, col_key=key,
-            col_amax=amax,
+            col_amax=amax, swizzled=swizzled,
         )
-        return _wrap(codes, scales, am[1], False)
+        return _wrap(codes, scales, am[1], False, swizzled)
     codes, scales, _, _, am = quantize_nvfp4_rowcol_triton(
-        x, block_2d=block_2d, row_stochastic=stochastic, row_key=key, row_amax=amax
+        x, block_2d=block_2d, row_stochastic=stochastic, row_key=key, row_amax=amax, swizzled=swizzled
     )
-    return _wrap(codes, scales, am[0], block_2d)
+    return _wrap(codes, scales, am[0], block_2d, swizzled)
 
 
 def quantize_nvfp4_rowcol(
@@ -126,15 +134,17 @@ def quantize_nvfp4_rowcol(
     col_seed: int = 0,
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
+    swizzled: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
     blocks along M, Hadamard-mixed when ``col_rht``, with its own amax). With ``block_2d`` the columnwise
-    copy is the rowwise copy transposed (the same values)."""
+    copy is the rowwise copy transposed (the same values). ``swizzled``: both copies' scales in the native
+    GEMM's layout."""
     if not use_triton(x):
         return quantize_nvfp4_rowcol_ref(
             x, block_2d=block_2d, col_rht=col_rht, row_stochastic=row_stochastic,
             col_stochastic=col_stochastic, row_seed=row_seed, col_seed=col_seed,
-            row_amax=row_amax, col_amax=col_amax,
+            row_amax=row_amax, col_amax=col_amax, swizzled=swizzled,
         )
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
@@ -143,9 +153,10 @@ def quantize_nvfp4_rowcol(
         x, write_row=True, write_col=True, block_2d=block_2d, col_rht=col_rht,
         row_stochastic=row_stochastic, col_stochastic=col_stochastic,
         row_key=seed_key(row_seed), col_key=seed_key(col_seed), row_amax=row_amax, col_amax=col_amax,
+        swizzled=swizzled,
     )
     row_am, col_am = am.unbind()  # the views am[0], am[1] in one op
-    return _wrap(rc, rs, row_am, block_2d), _wrap(cc, cs, col_am, block_2d)
+    return _wrap(rc, rs, row_am, block_2d, swizzled), _wrap(cc, cs, col_am, block_2d, swizzled)
 
 
 def nvfp4_amax(x: torch.Tensor, col_rht: bool = False) -> torch.Tensor:
@@ -176,27 +187,45 @@ def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
 GEMM_ENGINE_ENV = "NVFP4_GEMM_ENGINE"
 DEFAULT_GEMM_ENGINE = "cublas"
 GEMM_ENGINES = ("triton", "cublas")  # also the engines kernels.nvfp4.gemm accepts (engine=)
+# the Blackwell engine (kernels/nvfp4/native.py, experimental) and the choice that picks it on sm_100+ only
+NATIVE_ENGINES = (NATIVE, AUTO)
 
 
 def gemm_engine() -> str:
     """``$NVFP4_GEMM_ENGINE`` (unset or empty: ``DEFAULT_GEMM_ENGINE``); any other value than the engines
     is a ValueError naming the variable and the choices."""
     v = os.environ.get(GEMM_ENGINE_ENV) or DEFAULT_GEMM_ENGINE
-    if v not in GEMM_ENGINES:
+    if v not in GEMM_ENGINES + NATIVE_ENGINES:
         raise ValueError(f"{GEMM_ENGINE_ENV}={v!r}: the NVFP4 GEMM engine must be one of {GEMM_ENGINES} "
-                         f"(unset: {DEFAULT_GEMM_ENGINE!r})")
+                         f"(unset: {DEFAULT_GEMM_ENGINE!r}), or {NATIVE!r} (sm_100+, experimental) or {AUTO!r} "
+                         f"({NATIVE!r} on sm_100+, else {DEFAULT_GEMM_ENGINE!r})")
     return v
+
+
+def fp4_gemm_engine(device: torch.device) -> str:
+    """The engine an FP4 GEMM on ``device`` runs: ``gemm_engine()`` with ``auto`` resolved (``native`` on
+    sm_100+, else ``DEFAULT_GEMM_ENGINE``); ``native`` on a GPU below sm_100 is a ValueError naming it."""
+    return resolve_gemm_engine(gemm_engine(), device, DEFAULT_GEMM_ENGINE)
 
 
 def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """C[M, N] = alpha * A[M, K] . B[N, K]^T with both operands NVFP4 blocked along K. On the Triton path the
     GEMM engine is ``gemm_engine()`` (``$NVFP4_GEMM_ENGINE``, validated on every call, on the reference path
-    too)."""
+    too); ``native`` / ``auto`` on sm_100+ run ``nvfp4_gemm_native`` (either scale layout)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
     engine = gemm_engine()
+    if engine in NATIVE_ENGINES:
+        engine = resolve_gemm_engine(engine, a.codes.device, DEFAULT_GEMM_ENGINE)
+        if engine == NATIVE:
+            from kernels.nvfp4.native import nvfp4_gemm_native
+
+            return nvfp4_gemm_native(a, b, out_dtype=out_dtype)
     if not use_triton(a.codes):
         return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
+    if a.swizzled or b.swizzled:
+        raise ValueError(f"NVFP4 GEMM: swizzled scales are the native engine's layout; engine {engine!r} takes "
+                         f"row-major scales (quantize with swizzled=False)")
     # Exact designs measured on the H200 (docs/benchmarks.md): dequantizing in the GEMM's registers
     # (nvfp4_gemm_triton) ~0.33x cuBLAS BF16; dequantizing each operand once to 16 bits, then the Triton 16-bit
     # GEMM with the alpha epilogue (engine "triton") 0.81-0.84x, or cuBLAS with fp32 output and a Triton alpha

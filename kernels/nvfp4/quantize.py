@@ -58,6 +58,7 @@ from kernels.fp4_triton import (
     round_to_bf16_fast,
     round_to_bf16_x2,
 )
+from kernels.fp4_layout_triton import scale_buffer, scale_offset
 from kernels.nvfp4.reference import RHT_SIGNS
 
 # bit i set <=> RHT sign i is -1
@@ -415,7 +416,8 @@ def _row_quant(v, enc, sbyte, i: tl.constexpr, row0, M, K, k0, rbase, key, zero_
 
 @triton.jit
 def _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                        row_scales_ptr, m0, k0, M, K, G: tl.constexpr, KB: tl.constexpr):
+                        row_scales_ptr, m0, k0, M, K, G: tl.constexpr, KB: tl.constexpr,
+                        SWIZZLE: tl.constexpr = False):
     """The row scales of the tile's 16 rows per group in ONE store: the 16 [G, KB] tensors joined into
     [G, KB, 2, 2, 2, 2] (row i = b0 + 2 b1 + 4 b2 + 8 b3), one layout conversion instead of 16."""
     a0 = tl.join(tl.join(tl.join(tl.join(s0, s1), tl.join(s2, s3)), tl.join(tl.join(s4, s5), tl.join(s6, s7))),
@@ -426,7 +428,7 @@ def _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s
     b3 = tl.arange(0, 2)[None, None, None, None, None, :]
     m = m0 + 16 * tl.arange(0, G)[:, None, None, None, None, None] + b0 + 2 * b1 + 4 * b2 + 8 * b3
     ks = k0 // 16 + tl.arange(0, KB)[None, :, None, None, None, None]
-    tl.store(row_scales_ptr + m * (K // 16) + ks, a0.to(tl.uint8), mask=(m < M) & (ks < K // 16))
+    tl.store(row_scales_ptr + scale_offset(m, ks, K // 16, SWIZZLE), a0.to(tl.uint8), mask=(m < M) & (ks < K // 16))
 
 
 @triton.jit(do_not_specialize=["row_key", "col_key"])
@@ -438,11 +440,12 @@ def _quantize_grouped_kernel(
     COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, IS_BF16: tl.constexpr,
     NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     LEAN: tl.constexpr = False, ASM: tl.constexpr = False, COL_TAB: tl.constexpr = False,
+    SWIZZLE: tl.constexpr = False,
 ):
     """``LEAN``: the "grouped_lean" arithmetic (see ``DESIGNS``); ``ASM`` (GPU only): with it, the lean steps
     that Triton cannot express in one instruction use inline PTX (add.rp, cvt.rn.bf16x2, prmt). ``COL_TAB``
     (with ``LEAN``; the launcher sets it for bf16 input only): the columnwise encode scales come from the
-    table too."""
+    table too. ``SWIZZLE``: both copies' scales are stored in the native GEMM's layout (``scale_offset``)."""
     G: tl.constexpr = BM // 16
     KB: tl.constexpr = BK // 16
     pid = tl.program_id(0)
@@ -559,7 +562,7 @@ def _quantize_grouped_kernel(
                               row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, LEAN, ASM)
         if WRITE_ROW:
             _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                                row_scales_ptr, m0, k0, M, K, G, KB)
+                                row_scales_ptr, m0, k0, M, K, G, KB, SWIZZLE)
 
     if WRITE_COL:
         if BLOCK_2D:
@@ -654,7 +657,7 @@ def _quantize_grouped_kernel(
         gi = m0 // 16 + tl.arange(0, G)[:, None, None]
         cmask = (gi < M // 16) & kmask
         tl.store(col_words_ptr + k * (M // 16) + gi, w.to(tl.int64, bitcast=True), mask=cmask)
-        tl.store(col_scales_ptr + k * (M // 16) + gi, csb.to(tl.uint8), mask=cmask)
+        tl.store(col_scales_ptr + scale_offset(k, gi, M // 16, SWIZZLE), csb.to(tl.uint8), mask=cmask)
 
 
 @triton.jit
@@ -857,6 +860,7 @@ def quantize_nvfp4_rowcol_triton(
     maxnreg: int | None = None,
     amax_cfg: dict | None = None,
     _col_table_fp32: bool = False,
+    swizzled: bool = False,
 ):
     """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
 
@@ -868,11 +872,16 @@ def quantize_nvfp4_rowcol_triton(
     ``_col_table_fp32`` (diagnostics only, see tests/kernels/test_nvfp4_quant_lean_gpu.py): the lean designs look
     the columnwise encode scales of fp32 input up in the table as well (the path that gave wrong codes on the H200).
 
+    ``swizzled`` (the grouped designs): both copies' scales as the 1-D buffers of the native GEMM's 128x4-tile
+    layout (``kernels/fp4_layout.py``), written by the same stores at other addresses; zero padding.
+
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
     ``amax`` holds the (policy-adjusted) row and column amax.
     """
     if design not in DESIGNS:
         raise ValueError(f"unknown design {design!r}; choose one of {DESIGNS}")
+    if swizzled and design == "tiled":
+        raise ValueError("swizzled scales are written by the grouped designs; design 'tiled' has none")
     M, K = x.shape
     dev = x.device
     is_bf16 = x.dtype == torch.bfloat16
@@ -896,6 +905,9 @@ def quantize_nvfp4_rowcol_triton(
         empty = [torch.empty(shape, dtype=torch.uint8, device=dev) if want else None
                  for shape, want in (((M, K // 2), write_row), ((M, K // 16), write_row),
                                      ((K, M // 2), write_col), ((K, M // 16), write_col))]
+        if swizzled:
+            empty[1] = scale_buffer(M, K // 16, True, dev) if write_row else None
+            empty[3] = scale_buffer(K, M // 16, True, dev) if write_col else None
         return (*empty, torch.where(torch.isinf(amax_in), float("nan"), amax_in))  # the policy, as in the kernel
     if not (have_row and have_col):
         # the amax pass max-reduces into slot 0, and into slot 1 when it mixes the columnwise copy: when one of
@@ -914,9 +926,9 @@ def quantize_nvfp4_rowcol_triton(
         if need_col_amax and not col_rht and col_amax is None:
             amax_in[1] = amax_in[0]  # x^T has the same amax as x
     row_codes = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if write_row else None
-    row_scales = torch.empty((M, K // 16), dtype=torch.uint8, device=dev) if write_row else None
+    row_scales = scale_buffer(M, K // 16, swizzled, dev) if write_row else None
     col_codes = torch.empty((K, M // 2), dtype=torch.uint8, device=dev) if write_col else None
-    col_scales = torch.empty((K, M // 16), dtype=torch.uint8, device=dev) if write_col else None
+    col_scales = scale_buffer(K, M // 16, swizzled, dev) if write_col else None
     amax_out = torch.empty(2, dtype=torch.float32, device=dev)
     dummy = amax_out
     lean = design.startswith("grouped_lean")
@@ -937,7 +949,7 @@ def quantize_nvfp4_rowcol_triton(
             M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
             IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0,
             LEAN=lean, ASM=design == "grouped_lean" and native,
-            COL_TAB=lean and (is_bf16 or _col_table_fp32), **flags,
+            COL_TAB=lean and (is_bf16 or _col_table_fp32), SWIZZLE=swizzled, **flags,
         )
     else:
         _quantize_kernel[_grid(M, K, block_m, block_k)](

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 # imported here, not in the functions: an import statement costs host time on every call of the hot path
 # (kernels.nvfp4 itself imports only torch; Triton is imported when a kernel first runs)
-from kernels.nvfp4 import nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
+from kernels.nvfp4 import fp4_gemm_engine, nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
 from nvfp4_train.precision.recipe import OperandCast
 
 __all__ = ["Operand", "cast_pair", "cast_one", "qgemm", "operand_nbytes"]
@@ -54,6 +54,12 @@ def _is_nvfp4_1d(c: OperandCast) -> bool:
     return c.format == "nvfp4" and c.block == (1, 16)
 
 
+def _swizzled(t: torch.Tensor) -> bool:
+    """Whether FP4 operands of ``t`` are quantized with their scales in the native GEMM's layout: when the
+    GEMM engine resolves to ``native`` on t's device (a ValueError there below sm_100)."""
+    return fp4_gemm_engine(t.device) == "native"
+
+
 def _hadamard(t: torch.Tensor) -> torch.Tensor:
     """RHT of each 16 consecutive elements of t's last dim, as t.dtype: one Triton kernel where
     ``use_triton(t)``, the reference otherwise (``kernels.hadamard``; the same bits as
@@ -75,13 +81,13 @@ def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.Pro
             amax = nvfp4_amax(t.t(), col_rht=True)[1] if cast.hadamard else nvfp4_amax(t)[0]
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
         return Operand("nvfp4", quantize_nvfp4(t, block_2d=cast.block == (16, 16), rht=cast.hadamard,
-                                               stochastic=sr, seed=seed, amax=amax))
+                                               stochastic=sr, seed=seed, amax=amax, swizzled=_swizzled(t)))
     if cast.format == "mxfp4":
         from kernels.mxfp4 import quantize_mxfp4
 
         src = _hadamard(t) if cast.hadamard else t
         kwargs = {"block_2d": True} if cast.block == (32, 32) else {}
-        return Operand("mxfp4", quantize_mxfp4(src, stochastic=sr, seed=seed, **kwargs))
+        return Operand("mxfp4", quantize_mxfp4(src, stochastic=sr, seed=seed, swizzled=_swizzled(t), **kwargs))
     if cast.format == "fp8_e4m3":
         from kernels.fp8 import quantize_fp8
 
@@ -117,7 +123,7 @@ def cast_pair(
             r, c = quantize_nvfp4_rowcol(
                 t, block_2d=block_2d, col_rht=col_rht, row_stochastic=row.rounding == "stochastic",
                 col_stochastic=col.rounding == "stochastic", row_seed=_seed(seed, 0), col_seed=_seed(seed, 1),
-                row_amax=row_amax, col_amax=None if block_2d else col_amax,
+                row_amax=row_amax, col_amax=None if block_2d else col_amax, swizzled=_swizzled(t),
             )
             return Operand("nvfp4", r), Operand("nvfp4", c)
     r = cast_one(t, row, _seed(seed, 0), amax_group) if row is not None else None
