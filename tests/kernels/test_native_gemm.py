@@ -269,6 +269,25 @@ def test_native_on_this_gpu(gen, monkeypatch, out_dtype):
         q = quantize_nvfp4(x, swizzled=True)
         assert torch.equal(q.rowmajor_scales().cpu().view(torch.uint8),
                            quantize_nvfp4(x).scales.cpu().view(torch.uint8))
+        # zero and subnormal E4M3 block scales: B picks one element of A per output (B[n, k] = 1 iff k == n),
+        # so C[m, n] = alpha * a[m, n] * sa exactly
+        k = 64
+        za = exact_sum_nvfp4(gen, 128, k)
+        za.scales = torch.randint(0, 8, za.scales.shape, dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+        eye = NVFP4Tensor(codes=pack_nibbles(torch.eye(k, dtype=torch.uint8) * 2), amax=torch.tensor(2688.0),
+                          scales=torch.full((k, k // 16), 1.0).to(torch.float8_e4m3fn))
+        zref = nvfp4_gemm_ref(za, eye, torch.float32)
+        zd, ed = (NVFP4Tensor(q.codes.to(dev), q.scales.to(dev), q.amax.to(dev)) for q in (za, eye))
+        assert torch.equal(nvfp4_gemm_native(zd, ed, torch.float32).cpu(), zref)
+        # random inputs: within the bound of test_nvfp4_emulation_random_within_bound (K = 512); a tensor core
+        # that accumulated a block-scaled MMA in less than fp32 would show here
+        wq = quantize_nvfp4(torch.randn(144, 512, device=dev), block_2d=True, swizzled=True)
+        qc = NVFP4Tensor(q.codes.cpu(), q.rowmajor_scales().cpu(), q.amax.cpu())
+        wc = NVFP4Tensor(wq.codes.cpu(), wq.rowmajor_scales().cpu(), wq.amax.cpu())
+        got = nvfp4_gemm_native(q, wq, torch.float32).cpu().double()
+        r32 = nvfp4_gemm_ref(qc, wc, torch.float32).double()
+        S = _blockwise_values(qc).double().abs() @ _blockwise_values(wc).double().abs().t()
+        assert ((got - r32).abs() <= float(nvfp4_alpha(qc.amax, wc.amax)) * S * (512 + 4) * U * 1.001).all()
     else:
         major, minor = torch.cuda.get_device_capability(dev)
         with pytest.raises(ValueError, match=rf"needs sm_100\+ \(Blackwell\); this GPU is sm_{major}{minor} "):
