@@ -4,8 +4,8 @@ B200). The same operands as ``kernels.nvfp4.nvfp4_gemm`` (``NVFP4Tensor``, block
     C[M, N] = alpha * sum_k (qa[m, k] * sa[m, k // 16]) * (qb[n, k] * sb[n, k // 16])
     alpha   = (amax_A / 2688) * (amax_B / 2688)                       (``nvfp4_alpha``)
 
-One call of torch's block-scaled matmul (written for torch 2.13 and checked there against its own argument
-checks on meta tensors; torch 2.11 on the H200 has the same API):
+One call of torch's block-scaled matmul (written for torch 2.13 and checked against its own argument checks on
+meta tensors; torch 2.11, the H200's, has ``scaled_mm`` too, but its FP4 forms were not tried there):
 
     torch.nn.functional.scaled_mm(
         a.codes.view(float4_e2m1fn_x2),            [M, K/2]  row-major: the codes as they are
