@@ -57,10 +57,3 @@ def test_mxfp4_swizzled_bitwise(triton_device, gen, m, k, block_2d):
         _same(g, w, f"block_2d={block_2d} {name}")
     _same(quantize_mxfp4(x.to(triton_device), stochastic=True, seed=3, swizzled=True),
           quantize_mxfp4_ref(x, stochastic=True, seed=3, swizzled=True), "single, stochastic")
-
-
-def test_tiled_design_refuses_swizzle(triton_device):
-    from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
-
-    with pytest.raises(ValueError, match="tiled"):
-        quantize_nvfp4_rowcol_triton(torch.randn(16, 32, device=triton_device), design="tiled", swizzled=True)
