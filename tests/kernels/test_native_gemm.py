@@ -289,4 +289,5 @@ def test_native_on_this_gpu(gen, monkeypatch, out_dtype):
         with pytest.raises(ValueError, match=rf"this GPU is sm_{major}{minor}"):
             nvfp4_gemm(a, b, out_dtype, engine="native")
         assert resolve_gemm_engine("auto", dev) == "cublas"
-        assert torch.equal(nvfp4_gemm(a, b, out_dtype, engine="auto").cpu(), ref)  # exact sums: the cublas engine's bits too
+        # exact sums: the cublas engine's bits too
+        assert torch.equal(nvfp4_gemm(a, b, out_dtype, engine="auto").cpu(), ref)
