@@ -53,19 +53,21 @@ __all__ = [
 ]
 
 
-def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False) -> MXFP4Tensor:
+def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False,
+                   swizzled: bool = False) -> MXFP4Tensor:
     """Quantize a 2-D bf16/fp32 tensor to MXFP4, blocks of 32 along the last dim (32x32 tiles when
     ``block_2d``, for weights); ``stochastic`` rounds with 8 random bits per element from a counter-based
-    hash keyed by ``seed``."""
+    hash keyed by ``seed``. ``swizzled``: the scales are written in the native GEMM's 128x4-tile layout
+    (``kernels/fp4_layout.py``)."""
     check_input(x, block_2d)
     if not use_triton(x):
-        return quantize_mxfp4_ref(x, stochastic=stochastic, seed=seed, block_2d=block_2d)
+        return quantize_mxfp4_ref(x, stochastic=stochastic, seed=seed, block_2d=block_2d, swizzled=swizzled)
     from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
     codes, scales, _, _ = quantize_mxfp4_rowcol_triton(
-        x, row_stochastic=stochastic, row_key=seed_key(seed), block_2d=block_2d
+        x, row_stochastic=stochastic, row_key=seed_key(seed), block_2d=block_2d, swizzled=swizzled
     )
-    return MXFP4Tensor(codes=codes, scales=scales, block_2d=block_2d)
+    return MXFP4Tensor(codes=codes, scales=scales, block_2d=block_2d, swizzled=swizzled)
 
 
 def quantize_mxfp4_rowcol(
@@ -75,26 +77,28 @@ def quantize_mxfp4_rowcol(
     row_seed: int = 0,
     col_seed: int = 0,
     block_2d: bool = False,
+    swizzled: bool = False,
 ) -> tuple[MXFP4Tensor, MXFP4Tensor]:
     """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
     blocks along M). Both dims must be multiples of 32. With ``block_2d`` the columnwise copy is the
-    rowwise copy transposed (the same values)."""
+    rowwise copy transposed (the same values). ``swizzled``: both copies' scales in the native GEMM's
+    layout."""
     check_input(x, block_2d)
     check_col_input(x)
     check_rowcol_modes(block_2d, row_stochastic, col_stochastic)
     if not use_triton(x):
         return quantize_mxfp4_rowcol_ref(
             x, row_stochastic=row_stochastic, col_stochastic=col_stochastic, row_seed=row_seed,
-            col_seed=col_seed, block_2d=block_2d,
+            col_seed=col_seed, block_2d=block_2d, swizzled=swizzled,
         )
     from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
     rc, rs, cc, cs = quantize_mxfp4_rowcol_triton(
         x, write_row=True, write_col=True, row_stochastic=row_stochastic, col_stochastic=col_stochastic,
-        row_key=seed_key(row_seed), col_key=seed_key(col_seed), block_2d=block_2d,
+        row_key=seed_key(row_seed), col_key=seed_key(col_seed), block_2d=block_2d, swizzled=swizzled,
     )
-    return (MXFP4Tensor(codes=rc, scales=rs, block_2d=block_2d),
-            MXFP4Tensor(codes=cc, scales=cs, block_2d=block_2d))
+    return (MXFP4Tensor(codes=rc, scales=rs, block_2d=block_2d, swizzled=swizzled),
+            MXFP4Tensor(codes=cc, scales=cs, block_2d=block_2d, swizzled=swizzled))
 
 
 def transpose_mxfp4(q: MXFP4Tensor) -> MXFP4Tensor:
@@ -122,6 +126,9 @@ def mxfp4_gemm(a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype = torch.bf
         from kernels.mxfp4.native import mxfp4_gemm_native
 
         return mxfp4_gemm_native(a, b, out_dtype=out_dtype)
+    if a.swizzled or b.swizzled:
+        raise ValueError(f"MXFP4 GEMM: swizzled scales are the native engine's layout; engine {engine!r} takes "
+                         f"row-major scales (quantize with swizzled=False)")
     from kernels.mxfp4.gemm import mxfp4_gemm_triton
 
     return mxfp4_gemm_triton(a, b, out_dtype=out_dtype)

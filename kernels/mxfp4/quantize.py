@@ -32,6 +32,7 @@ from kernels.fp4_triton import (
     random_bits8,
     u32,
 )
+from kernels.fp4_layout_triton import scale_buffer, scale_offset
 
 FLT_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126
 
@@ -70,6 +71,7 @@ def _mxfp4_quantize_kernel(
     M, K, stride_m, stride_k, row_key, col_key,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr,
     BLOCK_2D: tl.constexpr, BF16_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    SWIZZLE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
@@ -98,7 +100,8 @@ def _mxfp4_quantize_kernel(
         tl.store(row_codes_ptr + rm[:, None] * (K // 2) + rkh[None, :], pack_pairs(q, BM, BK), mask=cmask)
         rks = k0 // 32 + tl.arange(0, BK // 32)
         smask = (rm[:, None] < M) & (rks[None, :] < K // 32)
-        tl.store(row_scales_ptr + rm[:, None] * (K // 32) + rks[None, :], code.to(tl.uint8), mask=smask)
+        tl.store(row_scales_ptr + scale_offset(rm[:, None], rks[None, :], K // 32, SWIZZLE), code.to(tl.uint8),
+                 mask=smask)
 
     if WRITE_COL:
         if BLOCK_2D:
@@ -121,7 +124,8 @@ def _mxfp4_quantize_kernel(
         tl.store(col_codes_ptr + rk[:, None] * (M // 2) + rmh[None, :], pack_pairs(qt, BK, BM), mask=cmask)
         rms = m0 // 32 + tl.arange(0, BM // 32)
         smask = (rk[:, None] < K) & (rms[None, :] < M // 32)
-        tl.store(col_scales_ptr + rk[:, None] * (M // 32) + rms[None, :], codet.to(tl.uint8), mask=smask)
+        tl.store(col_scales_ptr + scale_offset(rk[:, None], rms[None, :], M // 32, SWIZZLE), codet.to(tl.uint8),
+                 mask=smask)
 
 
 def quantize_mxfp4_rowcol_triton(
@@ -137,8 +141,11 @@ def quantize_mxfp4_rowcol_triton(
     block_m: int = 64,
     block_k: int = 64,
     num_warps: int = 4,
+    swizzled: bool = False,
 ):
-    """Launch the fused kernel. Inputs are validated by the caller (``kernels.mxfp4``).
+    """Launch the fused kernel. Inputs are validated by the caller (``kernels.mxfp4``). ``swizzled``: both
+    copies' scales as the 1-D buffers of the native GEMM's 128x4-tile layout (``kernels/fp4_layout.py``),
+    written by the same stores at other addresses; zero padding.
 
     Returns (row_codes, row_scales, col_codes, col_scales); absent copies are None.
     """
@@ -146,9 +153,9 @@ def quantize_mxfp4_rowcol_triton(
     M, K = x.shape
     dev = x.device
     row_codes = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if write_row else None
-    row_scales = torch.empty((M, K // 32), dtype=torch.uint8, device=dev) if write_row else None
+    row_scales = scale_buffer(M, K // 32, swizzled, dev) if write_row else None
     col_codes = torch.empty((K, M // 2), dtype=torch.uint8, device=dev) if write_col else None
-    col_scales = torch.empty((K, M // 32), dtype=torch.uint8, device=dev) if write_col else None
+    col_scales = scale_buffer(K, M // 32, swizzled, dev) if write_col else None
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(K, block_k),)
     bf16 = x.dtype == torch.bfloat16
@@ -158,6 +165,7 @@ def quantize_mxfp4_rowcol_triton(
         col_codes if write_col else dummy, col_scales if write_col else dummy,
         M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
         WRITE_ROW=write_row, WRITE_COL=write_col, ROW_SR=row_stochastic, COL_SR=col_stochastic,
-        BLOCK_2D=block_2d, BF16_BITS=bf16, BM=block_m, BK=block_k, num_warps=num_warps, enable_fp_fusion=False,
+        BLOCK_2D=block_2d, BF16_BITS=bf16, BM=block_m, BK=block_k, SWIZZLE=swizzled, num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     return row_codes, row_scales, col_codes, col_scales

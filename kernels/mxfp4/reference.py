@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._checks import check_2d_float
+from kernels.fp4_layout import from_blocked, to_blocked
 from kernels.fp4_reference import (
     e2m1_decode,
     e2m1_round_nearest,
@@ -76,11 +77,14 @@ class MXFP4Tensor:
     scales: uint8 [M, K // 32], E8M0: the block scale is 2^(scales - 127); 0xFF is NaN (replicated over
             the 32 rows of a tile in 2-D mode).
     block_2d: whether the scales are per 32x32 tile.
+    swizzled: the scales are instead the 1-D buffer of the native FP4 GEMM's 128x4-tile layout
+            (``kernels/fp4_layout.py``: ``to_blocked`` of the [M, K // 32] matrix, zero padding).
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     block_2d: bool = False
+    swizzled: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -88,6 +92,13 @@ class MXFP4Tensor:
 
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel()
+
+    def rowmajor_scales(self) -> torch.Tensor:
+        """The [M, K // 32] scale matrix whatever the layout (a new tensor when swizzled)."""
+        if not self.swizzled:
+            return self.scales
+        m, k = self.shape
+        return from_blocked(self.scales, m, k // BLOCK)
 
 
 def check_input(x: torch.Tensor, block_2d: bool = False) -> None:
@@ -145,10 +156,10 @@ def inverse_scale(code: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4_ref(
-    x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False
+    x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False, swizzled: bool = False
 ) -> MXFP4Tensor:
     """Quantize a 2-D tensor to MXFP4 with blocks of 32 along the last dim, or 32x32 tiles (``block_2d``);
-    see the module docstring."""
+    see the module docstring. ``swizzled``: the scales in the native GEMM's layout (the same values)."""
     check_input(x, block_2d)
     m, k = x.shape
     x32 = x.to(torch.float32).contiguous()
@@ -168,7 +179,17 @@ def quantize_mxfp4_ref(
     q = (q & 7) | ((x32 < 0).to(torch.uint8) << 3)
     nonfinite = (code == E8M0_NAN).repeat_interleave(BLOCK, dim=1)
     q = torch.where(nonfinite, torch.zeros_like(q), q)
+    if swizzled:
+        return MXFP4Tensor(codes=pack_nibbles(q), scales=to_blocked(code.to(torch.uint8)), block_2d=block_2d,
+                           swizzled=True)
     return MXFP4Tensor(codes=pack_nibbles(q), scales=code.to(torch.uint8), block_2d=block_2d)
+
+
+def swizzle_mxfp4(q: MXFP4Tensor) -> MXFP4Tensor:
+    """``q`` with its scales in the native GEMM's layout (itself when they already are)."""
+    if q.swizzled:
+        return q
+    return MXFP4Tensor(codes=q.codes, scales=to_blocked(q.scales), block_2d=q.block_2d, swizzled=True)
 
 
 def transpose_mxfp4_ref(q: MXFP4Tensor) -> MXFP4Tensor:
@@ -176,6 +197,8 @@ def transpose_mxfp4_ref(q: MXFP4Tensor) -> MXFP4Tensor:
     each tile's scale serves both orientations."""
     if not q.block_2d:
         raise ValueError("only 2-D (32x32) scaled MXFP4 tensors can be transposed without requantizing")
+    if q.swizzled:
+        raise ValueError("transpose_mxfp4_ref takes row-major scales; quantize with swizzled=False first")
     codes = pack_nibbles(unpack_nibbles(q.codes).t())
     tile = q.scales[::BLOCK, :]  # [M/32, K/32]
     scales = tile.t().contiguous().repeat_interleave(BLOCK, dim=0)  # [K, M/32]
@@ -195,17 +218,22 @@ def quantize_mxfp4_rowcol_ref(
     row_seed: int = 0,
     col_seed: int = 0,
     block_2d: bool = False,
+    swizzled: bool = False,
 ) -> tuple[MXFP4Tensor, MXFP4Tensor]:
     """The two copies a linear layer needs from one [M, K] tensor: rowwise (blocks along K) and the
     columnwise copy of x^T ([K, M], blocks along M). In 2-D mode the columnwise copy is the rowwise copy
-    transposed (the same values; ``col_seed`` is unused)."""
+    transposed (the same values; ``col_seed`` is unused). ``swizzled``: both copies' scales in the native
+    GEMM's layout."""
     check_input(x, block_2d)
     check_col_input(x)
     check_rowcol_modes(block_2d, row_stochastic, col_stochastic)
     row = quantize_mxfp4_ref(x, stochastic=row_stochastic, seed=row_seed, block_2d=block_2d)
     if block_2d:
-        return row, transpose_mxfp4_ref(row)
-    col = quantize_mxfp4_ref(x.t(), stochastic=col_stochastic, seed=col_seed)
+        col = transpose_mxfp4_ref(row)
+    else:
+        col = quantize_mxfp4_ref(x.t(), stochastic=col_stochastic, seed=col_seed)
+    if swizzled:
+        return swizzle_mxfp4(row), swizzle_mxfp4(col)
     return row, col
 
 
@@ -213,7 +241,7 @@ def dequantize_mxfp4_ref(q: MXFP4Tensor) -> torch.Tensor:
     """``e2m1(q) * 2^X`` as float32 [M, K] (exact; NaN for blocks with the NaN scale)."""
     m, k = q.shape
     vals = e2m1_decode(unpack_nibbles(q.codes)).view(m, k // BLOCK, BLOCK)
-    return (vals * e8m0_to_float32(q.scales).unsqueeze(-1)).view(m, k)
+    return (vals * e8m0_to_float32(q.rowmajor_scales()).unsqueeze(-1)).view(m, k)
 
 
 def mxfp4_gemm_ref(a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

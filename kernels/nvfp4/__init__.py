@@ -75,8 +75,9 @@ def _triton():
     return _TRITON_MODULES
 
 
-def _wrap(codes, scales_u8, amax, block_2d) -> NVFP4Tensor:
-    return NVFP4Tensor(codes=codes, scales=scales_u8.view(torch.float8_e4m3fn), amax=amax, block_2d=block_2d)
+def _wrap(codes, scales_u8, amax, block_2d, swizzled=False) -> NVFP4Tensor:
+    return NVFP4Tensor(codes=codes, scales=scales_u8.view(torch.float8_e4m3fn), amax=amax, block_2d=block_2d,
+                       swizzled=swizzled)
 
 
 def quantize_nvfp4(
@@ -86,15 +87,18 @@ def quantize_nvfp4(
     stochastic: bool = False,
     seed: int = 0,
     amax: torch.Tensor | None = None,
+    swizzled: bool = False,
 ) -> NVFP4Tensor:
     """Quantize a 2-D bf16/fp32 tensor to NVFP4, blocks of 16 along the last dim (16x16 tiles when
     ``block_2d``). ``rht`` mixes each 16 consecutive elements of the last dim with the Random Hadamard
     Transform first (pass x^T for a columnwise copy); ``stochastic`` rounds with 8 random bits per
-    element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax."""
+    element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax.
+    ``swizzled``: the scales are written in the native GEMM's 128x4-tile layout (``kernels/fp4_layout.py``)."""
     check_input(x, block_2d)
     check_amax(amax)
     if not use_triton(x):
-        return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax)
+        return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax,
+                                  swizzled=swizzled)
     from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
 
     key = seed_key(seed)
@@ -106,13 +110,13 @@ def quantize_nvfp4(
         # the columnwise path of the fused kernel mixes along the first dim: feed it x^T (a view)
         _, _, codes, scales, am = quantize_nvfp4_rowcol_triton(
             x.t(), write_row=False, write_col=True, col_rht=True, col_stochastic=stochastic, col_key=key,
-            col_amax=amax,
+            col_amax=amax, swizzled=swizzled,
         )
-        return _wrap(codes, scales, am[1], False)
+        return _wrap(codes, scales, am[1], False, swizzled)
     codes, scales, _, _, am = quantize_nvfp4_rowcol_triton(
-        x, block_2d=block_2d, row_stochastic=stochastic, row_key=key, row_amax=amax
+        x, block_2d=block_2d, row_stochastic=stochastic, row_key=key, row_amax=amax, swizzled=swizzled
     )
-    return _wrap(codes, scales, am[0], block_2d)
+    return _wrap(codes, scales, am[0], block_2d, swizzled)
 
 
 def quantize_nvfp4_rowcol(
@@ -125,15 +129,17 @@ def quantize_nvfp4_rowcol(
     col_seed: int = 0,
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
+    swizzled: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
     blocks along M, Hadamard-mixed when ``col_rht``, with its own amax). With ``block_2d`` the columnwise
-    copy is the rowwise copy transposed (the same values)."""
+    copy is the rowwise copy transposed (the same values). ``swizzled``: both copies' scales in the native
+    GEMM's layout."""
     if not use_triton(x):
         return quantize_nvfp4_rowcol_ref(
             x, block_2d=block_2d, col_rht=col_rht, row_stochastic=row_stochastic,
             col_stochastic=col_stochastic, row_seed=row_seed, col_seed=col_seed,
-            row_amax=row_amax, col_amax=col_amax,
+            row_amax=row_amax, col_amax=col_amax, swizzled=swizzled,
         )
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
@@ -142,9 +148,10 @@ def quantize_nvfp4_rowcol(
         x, write_row=True, write_col=True, block_2d=block_2d, col_rht=col_rht,
         row_stochastic=row_stochastic, col_stochastic=col_stochastic,
         row_key=seed_key(row_seed), col_key=seed_key(col_seed), row_amax=row_amax, col_amax=col_amax,
+        swizzled=swizzled,
     )
     row_am, col_am = am.unbind()  # the views am[0], am[1] in one op
-    return _wrap(rc, rs, row_am, block_2d), _wrap(cc, cs, col_am, block_2d)
+    return _wrap(rc, rs, row_am, block_2d, swizzled), _wrap(cc, cs, col_am, block_2d, swizzled)
 
 
 def nvfp4_amax(x: torch.Tensor, col_rht: bool = False) -> torch.Tensor:
@@ -182,4 +189,7 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bf
         from kernels.nvfp4.native import nvfp4_gemm_native
 
         return nvfp4_gemm_native(a, b, out_dtype=out_dtype)
+    if a.swizzled or b.swizzled:
+        raise ValueError(f"NVFP4 GEMM: swizzled scales are the native engine's layout; engine {engine!r} takes "
+                         f"row-major scales (quantize with swizzled=False)")
     return _triton().gemm.nvfp4_gemm_predequant(a, b, out_dtype=out_dtype, engine=engine)

@@ -56,6 +56,7 @@ from kernels.fp4_triton import (
     round_to_bf16,
     round_to_bf16_x2,
 )
+from kernels.fp4_layout_triton import scale_buffer, scale_offset
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -269,7 +270,8 @@ def _row_quant(v, enc, sbyte, i: tl.constexpr, row0, M, K, k0, rbase, key, zero_
 
 @triton.jit
 def _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                        row_scales_ptr, m0, k0, M, K, G: tl.constexpr, KB: tl.constexpr):
+                        row_scales_ptr, m0, k0, M, K, G: tl.constexpr, KB: tl.constexpr,
+                        SWIZZLE: tl.constexpr = False):
     """The row scales of the tile's 16 rows per group in ONE store: the 16 [G, KB] tensors joined into
     [G, KB, 2, 2, 2, 2] (row i = b0 + 2 b1 + 4 b2 + 8 b3), one layout conversion instead of 16."""
     a0 = tl.join(tl.join(tl.join(tl.join(s0, s1), tl.join(s2, s3)), tl.join(tl.join(s4, s5), tl.join(s6, s7))),
@@ -280,7 +282,7 @@ def _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s
     b3 = tl.arange(0, 2)[None, None, None, None, None, :]
     m = m0 + 16 * tl.arange(0, G)[:, None, None, None, None, None] + b0 + 2 * b1 + 4 * b2 + 8 * b3
     ks = k0 // 16 + tl.arange(0, KB)[None, :, None, None, None, None]
-    tl.store(row_scales_ptr + m * (K // 16) + ks, a0.to(tl.uint8), mask=(m < M) & (ks < K // 16))
+    tl.store(row_scales_ptr + scale_offset(m, ks, K // 16, SWIZZLE), a0.to(tl.uint8), mask=(m < M) & (ks < K // 16))
 
 
 @triton.jit(do_not_specialize=["row_key", "col_key"])
@@ -291,11 +293,12 @@ def _quantize_grouped_kernel(
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_2D: tl.constexpr,
     COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, IS_BF16: tl.constexpr,
     NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = False, SWIZZLE: tl.constexpr = False,
 ):
     """``ASM`` (GPU only): the steps that Triton cannot express in one instruction use inline PTX (add.rp,
     cvt.rn.bf16x2, prmt). The rowwise encode scales come from the table ``_enc_table`` writes, the columnwise
-    ones too for bf16 input (see the column scale)."""
+    ones too for bf16 input (see the column scale). ``SWIZZLE``: both copies' scales are stored in the native
+    GEMM's layout (``scale_offset``)."""
     G: tl.constexpr = BM // 16
     KB: tl.constexpr = BK // 16
     pid = tl.program_id(0)
@@ -411,7 +414,7 @@ def _quantize_grouped_kernel(
                               row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         if WRITE_ROW:
             _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-                                row_scales_ptr, m0, k0, M, K, G, KB)
+                                row_scales_ptr, m0, k0, M, K, G, KB, SWIZZLE)
 
     if WRITE_COL:
         if BLOCK_2D:
@@ -488,7 +491,7 @@ def _quantize_grouped_kernel(
         gi = m0 // 16 + tl.arange(0, G)[:, None, None]
         cmask = (gi < M // 16) & kmask
         tl.store(col_words_ptr + k * (M // 16) + gi, w.to(tl.int64, bitcast=True), mask=cmask)
-        tl.store(col_scales_ptr + k * (M // 16) + gi, csb.to(tl.uint8), mask=cmask)
+        tl.store(col_scales_ptr + scale_offset(k, gi, M // 16, SWIZZLE), csb.to(tl.uint8), mask=cmask)
 
 
 @triton.jit
@@ -651,12 +654,16 @@ def quantize_nvfp4_rowcol_triton(
     num_warps: int | None = None,
     maxnreg: int | None = None,
     amax_cfg: dict | None = None,
+    swizzled: bool = False,
 ):
     """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
 
     ``block_m``, ``block_k``, ``num_warps`` and ``maxnreg`` (a register cap per thread) override the quantize
     pass's launch (default ``QUANTIZE_CONFIG``), ``amax_cfg`` the amax pass's (``AMAX_CONFIG``; its ``per_sm``
     is the number of persistent programs per SM): performance only, the bits do not depend on them.
+
+    ``swizzled``: both copies' scales as the 1-D buffers of the native GEMM's 128x4-tile
+    layout (``kernels/fp4_layout.py``), written by the same stores at other addresses; zero padding.
 
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
     ``amax`` holds the (policy-adjusted) row and column amax.
@@ -684,6 +691,9 @@ def quantize_nvfp4_rowcol_triton(
         empty = [torch.empty(shape, dtype=torch.uint8, device=dev) if want else None
                  for shape, want in (((M, K // 2), write_row), ((M, K // 16), write_row),
                                      ((K, M // 2), write_col), ((K, M // 16), write_col))]
+        if swizzled:
+            empty[1] = scale_buffer(M, K // 16, True, dev) if write_row else None
+            empty[3] = scale_buffer(K, M // 16, True, dev) if write_col else None
         return (*empty, torch.where(torch.isinf(amax_in), float("nan"), amax_in))  # the policy, as in the kernel
     if not (have_row and have_col):
         # the amax pass max-reduces into slot 0, and into slot 1 when it mixes the columnwise copy: when one of
@@ -701,9 +711,9 @@ def quantize_nvfp4_rowcol_triton(
         if need_col_amax and not col_rht and col_amax is None:
             amax_in[1] = amax_in[0]  # x^T has the same amax as x
     row_codes = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if write_row else None
-    row_scales = torch.empty((M, K // 16), dtype=torch.uint8, device=dev) if write_row else None
+    row_scales = scale_buffer(M, K // 16, swizzled, dev) if write_row else None
     col_codes = torch.empty((K, M // 2), dtype=torch.uint8, device=dev) if write_col else None
-    col_scales = torch.empty((K, M // 16), dtype=torch.uint8, device=dev) if write_col else None
+    col_scales = scale_buffer(K, M // 16, swizzled, dev) if write_col else None
     amax_out = torch.empty(2, dtype=torch.float32, device=dev)
     dummy = amax_out
     enc_tab = torch.empty(256, dtype=torch.float32, device=dev)
@@ -720,7 +730,8 @@ def quantize_nvfp4_rowcol_triton(
         col_codes.view(torch.int64) if write_col else dummy, col_scales if write_col else dummy, amax_out,
         enc_tab,
         M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
-        IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0, ASM=native, **flags,
+        IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0, ASM=native,
+        SWIZZLE=swizzled, **flags,
     )
     if write_col and block_2d:
         amax_out[1] = amax_out[0]

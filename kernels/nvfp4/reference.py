@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._checks import check_2d_float
+from kernels.fp4_layout import from_blocked, to_blocked
 from kernels.fp4_reference import (
     FLT_MAX,
     RHT_SIGNS,
@@ -65,12 +66,15 @@ class NVFP4Tensor:
             rows of a tile in 2-D mode).
     amax:   float32 0-d tensor, the tensor amax that sets the fp32 tensor scale (amax / (6*448)).
     block_2d: whether the scales are per 16x16 tile.
+    swizzled: the scales are instead the 1-D buffer of the native FP4 GEMM's 128x4-tile layout
+            (``kernels/fp4_layout.py``: ``to_blocked`` of the [M, K // 16] matrix, zero padding).
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     amax: torch.Tensor
     block_2d: bool = False
+    swizzled: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,6 +82,13 @@ class NVFP4Tensor:
 
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() + 4
+
+    def rowmajor_scales(self) -> torch.Tensor:
+        """The [M, K // 16] scale matrix whatever the layout (a new tensor when swizzled)."""
+        if not self.swizzled:
+            return self.scales
+        m, k = self.shape
+        return from_blocked(self.scales, m, k // BLOCK)
 
 
 def check_input(x: torch.Tensor, block_2d: bool) -> None:
@@ -171,11 +182,13 @@ def quantize_nvfp4_ref(
     stochastic: bool = False,
     seed: int = 0,
     amax: torch.Tensor | None = None,
+    swizzled: bool = False,
 ) -> NVFP4Tensor:
     """Quantize a 2-D tensor to NVFP4 with blocks along the last dim.
 
     ``amax``: optional precomputed tensor amax (of the mixed values when ``rht``); it must equal what this
-    function would compute for the result to be the recipe's.
+    function would compute for the result to be the recipe's. ``swizzled``: the scales in the native GEMM's
+    layout (``NVFP4Tensor.swizzled``; the same values).
     """
     check_input(x, block_2d)
     check_amax(amax)
@@ -204,6 +217,9 @@ def quantize_nvfp4_ref(
         codes = e2m1_round_stochastic(v, random_bits8(m, k, seed, device=x.device))
     else:
         codes = e2m1_round_nearest(v)
+    if swizzled:
+        return NVFP4Tensor(codes=pack_nibbles(codes), scales=to_blocked(sdec), amax=amax, block_2d=block_2d,
+                           swizzled=True)
     return NVFP4Tensor(codes=pack_nibbles(codes), scales=sdec, amax=amax, block_2d=block_2d)
 
 
@@ -212,7 +228,7 @@ def dequantize_nvfp4_ref(q: NVFP4Tensor) -> torch.Tensor:
     m, k = q.shape
     vals = e2m1_decode(unpack_nibbles(q.codes)).view(m, k // BLOCK, BLOCK)
     t = decode_scale(q.amax)
-    out = vals * q.scales.to(torch.float32).unsqueeze(-1) * t
+    out = vals * q.rowmajor_scales().to(torch.float32).unsqueeze(-1) * t
     return out.view(m, k)
 
 
@@ -221,6 +237,8 @@ def transpose_nvfp4_ref(q: NVFP4Tensor) -> NVFP4Tensor:
     each tile's scale serves both orientations: W in Fprop and W^T in Dgrad are bitwise the same values."""
     if not q.block_2d:
         raise ValueError("only 2-D (16x16) scaled tensors can be transposed without requantizing")
+    if q.swizzled:
+        raise ValueError("transpose_nvfp4_ref takes row-major scales; quantize with swizzled=False first")
     m, k = q.shape
     codes = pack_nibbles(unpack_nibbles(q.codes).t())
     tile = q.scales[::BLOCK, :]  # [M/16, K/16]
@@ -252,6 +270,7 @@ def quantize_nvfp4_rowcol_ref(
     col_seed: int = 0,
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
+    swizzled: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """The two copies a linear layer needs from one [M, K] tensor: the rowwise copy (blocks along K) and
     the columnwise copy of x^T ([K, M], blocks along M; Hadamard-mixed when ``col_rht``, its own amax).
@@ -259,17 +278,28 @@ def quantize_nvfp4_rowcol_ref(
 
     ``row_amax`` / ``col_amax``: given amaxes (e.g. all-reduced over tensor-parallel ranks) replace the local
     ones. Without ``col_rht`` the columnwise copy holds x's own values, so a given ``row_amax`` is its amax too
-    when ``col_amax`` is not given (x^T has the amax of x), as in the Triton path."""
+    when ``col_amax`` is not given (x^T has the amax of x), as in the Triton path. ``swizzled``: both copies'
+    scales in the native GEMM's layout."""
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
     check_amax(col_amax, "col_amax")
     row = quantize_nvfp4_ref(x, block_2d=block_2d, stochastic=row_stochastic, seed=row_seed, amax=row_amax)
     if block_2d:
-        return row, transpose_nvfp4_ref(row)
-    if col_amax is None and not col_rht:
-        col_amax = row_amax
-    col = quantize_nvfp4_ref(x.t(), rht=col_rht, stochastic=col_stochastic, seed=col_seed, amax=col_amax)
+        col = transpose_nvfp4_ref(row)
+    else:
+        if col_amax is None and not col_rht:
+            col_amax = row_amax
+        col = quantize_nvfp4_ref(x.t(), rht=col_rht, stochastic=col_stochastic, seed=col_seed, amax=col_amax)
+    if swizzled:
+        return swizzle_nvfp4(row), swizzle_nvfp4(col)
     return row, col
+
+
+def swizzle_nvfp4(q: NVFP4Tensor) -> NVFP4Tensor:
+    """``q`` with its scales in the native GEMM's layout (itself when they already are)."""
+    if q.swizzled:
+        return q
+    return NVFP4Tensor(codes=q.codes, scales=to_blocked(q.scales), amax=q.amax, block_2d=q.block_2d, swizzled=True)
 
 
 def decode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -322,4 +352,4 @@ def _blockwise_values(q: NVFP4Tensor) -> torch.Tensor:
     """``q * fp32(sdec_b)`` as fp32 [M, K] (no tensor scale)."""
     m, k = q.shape
     vals = e2m1_decode(unpack_nibbles(q.codes)).view(m, k // BLOCK, BLOCK)
-    return (vals * q.scales.to(torch.float32).unsqueeze(-1)).view(m, k)
+    return (vals * q.rowmajor_scales().to(torch.float32).unsqueeze(-1)).view(m, k)

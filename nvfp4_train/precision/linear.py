@@ -58,7 +58,8 @@ class WeightCache:
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), pad, recipe)
         if key != self.key:
             w = pad_weight(weight.detach(), pad)
-            self.row, self.col = cast_pair(w, recipe.fprop.b, recipe.dgrad.b, _seeds(seed, "W"), amax_group)
+            self.row, self.col = cast_pair(w, recipe.fprop.b, recipe.dgrad.b, _seeds(seed, "W"), amax_group,
+                                            recipe.gemm_engine)
             self.key = key
         return self.row, self.col
 
@@ -105,7 +106,7 @@ class QuantLinearFunction(torch.autograd.Function):
         w_row, w_col = lctx.weight_cache.get(weight, recipe, seed, lctx.amax_group, lctx.weight_pad)
         need_col_x = weight.requires_grad
         x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, _seeds(seed, "x"),
-                                 lctx.amax_group)
+                                 lctx.amax_group, recipe.gemm_engine)
         tel = lctx.telemetry
         if tel is not None:
             tel.record("fprop.x", x2, recipe.fprop.a, x_row)
@@ -135,7 +136,7 @@ class QuantLinearFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         dy_row, dy_col = cast_pair(
             dy2, recipe.dgrad.a if need_dx else None, recipe.wgrad.a if need_dw else None,
-            _seeds(ctx.seed, "dy"), ctx.lctx.amax_group,
+            _seeds(ctx.seed, "dy"), ctx.lctx.amax_group, recipe.gemm_engine,
         )
         tel = ctx.lctx.telemetry
         if tel is not None:

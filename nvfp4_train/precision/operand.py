@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 # imported here, not in the functions: an import statement costs host time on every call of the hot path
 # (kernels.nvfp4 itself imports only torch; Triton is imported when a kernel first runs)
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE
+from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, resolve_gemm_engine
 from kernels.nvfp4 import nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
 from nvfp4_train.precision.recipe import OperandCast
 
@@ -51,6 +51,13 @@ def _is_nvfp4_1d(c: OperandCast) -> bool:
     return c.format == "nvfp4" and c.block == (1, 16)
 
 
+def _swizzled(t: torch.Tensor, engine: str) -> bool:
+    """Whether FP4 operands of ``t`` are quantized with their scales in the native GEMM's layout: when the
+    layer's GEMM engine (the recipe's ``gemm_engine``) resolves to ``native`` on t's device (a ValueError
+    there below sm_100)."""
+    return (engine == "native" or engine == "auto") and resolve_gemm_engine(engine, t.device) == "native"
+
+
 def _hadamard(t: torch.Tensor) -> torch.Tensor:
     """RHT of each 16 consecutive elements of t's last dim, as t.dtype: one Triton kernel where
     ``use_triton(t)``, the reference otherwise (``kernels.hadamard``; the same bits as
@@ -60,8 +67,10 @@ def _hadamard(t: torch.Tensor) -> torch.Tensor:
     return hadamard16(t)
 
 
-def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.ProcessGroup | None = None) -> Operand:
-    """Cast a 2-D tensor (reduction along its last dim) to one operand."""
+def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.ProcessGroup | None = None,
+             engine: str = DEFAULT_GEMM_ENGINE) -> Operand:
+    """Cast a 2-D tensor (reduction along its last dim) to one operand. ``engine``: the GEMM engine that
+    will consume it (the recipe's ``gemm_engine``); FP4 scales are written swizzled when it resolves to native."""
     sr = cast.rounding == "stochastic"
     if cast.format == "bf16":
         return Operand("bf16", t)
@@ -72,13 +81,14 @@ def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.Pro
             amax = nvfp4_amax(t.t(), col_rht=True)[1] if cast.hadamard else nvfp4_amax(t)[0]
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
         return Operand("nvfp4", quantize_nvfp4(t, block_2d=cast.block == (16, 16), rht=cast.hadamard,
-                                               stochastic=sr, seed=seed, amax=amax))
+                                               stochastic=sr, seed=seed, amax=amax, swizzled=_swizzled(t, engine)))
     if cast.format == "mxfp4":
         from kernels.mxfp4 import quantize_mxfp4
 
         src = _hadamard(t) if cast.hadamard else t
         kwargs = {"block_2d": True} if cast.block == (32, 32) else {}
-        return Operand("mxfp4", quantize_mxfp4(src, stochastic=sr, seed=seed, **kwargs))
+        return Operand("mxfp4", quantize_mxfp4(src, stochastic=sr, seed=seed, swizzled=_swizzled(t, engine),
+                                               **kwargs))
     if cast.format == "fp8_e4m3":
         from kernels.fp8 import quantize_fp8
 
@@ -92,11 +102,12 @@ def cast_pair(
     col: OperandCast | None,
     seeds: tuple[int, int],
     amax_group: dist.ProcessGroup | None = None,
+    engine: str = DEFAULT_GEMM_ENGINE,
 ) -> tuple[Operand | None, Operand | None]:
     """The rowwise operand of ``t`` [R, C] (reduction along C) and the columnwise one (of ``tᵀ``).
 
     ``None`` for a cast skips that copy. ``seeds``: the stochastic-rounding seeds of the two copies
-    (``kernels.sr_key.operand_seed``).
+    (``kernels.sr_key.operand_seed``). ``engine``: as for ``cast_one``.
     """
     row_seed, col_seed = seeds
     if row is not None and col is not None and row.format == col.format == "nvfp4":
@@ -116,11 +127,11 @@ def cast_pair(
             r, c = quantize_nvfp4_rowcol(
                 t, block_2d=block_2d, col_rht=col_rht, row_stochastic=row.rounding == "stochastic",
                 col_stochastic=col.rounding == "stochastic", row_seed=row_seed, col_seed=col_seed,
-                row_amax=row_amax, col_amax=None if block_2d else col_amax,
+                row_amax=row_amax, col_amax=None if block_2d else col_amax, swizzled=_swizzled(t, engine),
             )
             return Operand("nvfp4", r), Operand("nvfp4", c)
-    r = cast_one(t, row, row_seed, amax_group) if row is not None else None
-    c = cast_one(t.t(), col, col_seed, amax_group) if col is not None else None
+    r = cast_one(t, row, row_seed, amax_group, engine) if row is not None else None
+    c = cast_one(t.t(), col, col_seed, amax_group, engine) if col is not None else None
     return r, c
 
 

@@ -115,9 +115,9 @@ def test_weight_quantized_once_per_step(gen, monkeypatch):
     calls = []
     real = operand_mod.cast_pair
 
-    def spy(t, row, col, seed, amax_group=None):
+    def spy(t, row, col, seed, amax_group=None, engine="cublas"):
         calls.append(tuple(t.shape))
-        return real(t, row, col, seed, amax_group)
+        return real(t, row, col, seed, amax_group, engine)
 
     monkeypatch.setattr("nvfp4_train.precision.linear.cast_pair", spy)
     for _ in range(3):  # three micro-batches, one step
