@@ -26,10 +26,14 @@ class MX:
 
     codes: torch.Tensor
     scales: torch.Tensor
+    swizzled: bool = False  # row-major scales, as the Hopper GEMMs take them
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.codes.shape[0], self.codes.shape[1] * 2)
+
+    def rowmajor_scales(self) -> torch.Tensor:
+        return self.scales
 
 
 def make(codes: torch.Tensor, scale_bytes: torch.Tensor, device: str) -> MX:
