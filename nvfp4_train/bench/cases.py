@@ -1,15 +1,16 @@
-"""The benchmark cases and their training step: a model of a named case under a recipe, built as the trainer
-builds one, and the step ``train.py`` runs on it.
+"""The benchmark cases: a model of a named case under a recipe, and the trainer that runs it.
 
-``train_step`` is the one training step of the benchmarks (``nvfp4_train.bench.train``, ``op_census``): every
-tool that times or inspects a step gets it from here.
+``build_trainer`` is how every tool that times or inspects a training step gets one (``nvfp4_train.bench.train``,
+``op_census``): a :class:`nvfp4_train.trainer.Trainer` of the case, on random tokens written as an indexed
+dataset, stepped by its own ``train_step()`` (the step ``train.py`` loops over; no copy of it lives here).
+``build_case`` builds the case's bare model and input for the tools that look inside one forward
+(``saved_census``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,7 +55,7 @@ def build_case(case: str, recipe: str, seq: int | None = None, mb: int | None = 
     return model, mc, lm, ids, pos
 
 
-def cuda_step_times(step: Callable[[], None], iters: int) -> list[float]:
+def cuda_step_times(step: Callable[[], object], iters: int) -> list[float]:
     """Seconds of each of ``iters`` calls of ``step``, timed with CUDA events around it (synchronized after each)."""
     times = []
     for _ in range(iters):
@@ -67,88 +68,73 @@ def cuda_step_times(step: Callable[[], None], iters: int) -> list[float]:
     return times
 
 
-def graph_steps(zero: Callable[[], None], fwd_bwd: Callable[[], None], rest: Callable[[], None],
-                invalidate: Callable[[], None], warmup: int, iters: int, tokens: int) -> dict:
-    """EXPERIMENTAL, a benchmark only: ``bench_case``'s step (``zero``, then ``fwd_bwd``: the forwards and
-    backwards of its micro-batches, then ``rest``: the gradient sync, optimizer step and weight-cache drop) with
-    ``fwd_bwd`` captured once in a CUDA graph (``torch.cuda.graph``) and replayed, the rest eager (megatron's
-    ``prepare_grads`` reads ``found_inf`` on the host, which a graph cannot hold). It measures what the step costs
-    with no host work per kernel launch. Not a training mode: every replay reuses the stochastic-rounding keys and
-    the non-finite check's clock values captured once (host integers passed to the kernels), so the noise does not
-    change from step to step. Returns the median step time and tokens/s, or raises on the first capture error."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("--cuda-graph needs CUDA")
-    stream = torch.cuda.current_stream()
-    if stream == torch.cuda.default_stream():
-        # megatron's DDP keeps each parameter's AccumulateGrad node from its construction; a capture on another
-        # stream than the one those nodes were made on is invalidated (H200, 2026-11-30): build, warm up and
-        # capture on one side stream (``main`` runs a --cuda-graph case under one)
-        raise RuntimeError("--cuda-graph: run the case under a side stream (torch.cuda.stream), not the default")
-    for _ in range(2):
-        zero()
-        fwd_bwd()
-        rest()
-    zero()
-    invalidate()  # the captured forward quantizes every weight, as each step's first does
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fwd_bwd()
-    rest()
+def random_token_prefix(out_dir: Path, vocab: int, tokens: int, doc_len: int, seed: int = 1) -> str:
+    """An indexed dataset (``.bin``/``.idx``, megatron-core's builder, as ``scripts/prepare_data.py`` writes one)
+    of ``tokens`` token ids drawn uniformly from ``[0, vocab)`` with a seeded generator, in documents of
+    ``doc_len`` tokens; returns its prefix. Written once per (vocab, tokens, doc_len, seed) under ``out_dir``."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    def step() -> None:
-        zero()
-        graph.replay()
-        rest()
-
-    for _ in range(warmup):
-        step()
-    t = statistics.median(cuda_step_times(step, iters))
-    return dict(step_s=t, tokens_per_s=tokens / t)
+    prefix = out_dir / f"random_v{vocab}_n{tokens}_d{doc_len}_s{seed}"
+    if Path(f"{prefix}.idx").exists():
+        return str(prefix)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if vocab <= 65536 else np.int32
+    g = torch.Generator().manual_seed(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin.tmp", dtype=dtype)
+    for start in range(0, tokens, doc_len):
+        n = min(doc_len, tokens - start)
+        builder.add_document(torch.randint(0, vocab, (n,), generator=g).numpy().astype(dtype), [n])
+    builder.finalize(f"{prefix}.idx.tmp")
+    Path(f"{prefix}.bin.tmp").rename(f"{prefix}.bin")
+    Path(f"{prefix}.idx.tmp").rename(f"{prefix}.idx")
+    return str(prefix)
 
 
-def _nothing(*_args) -> None:
-    pass
+def case_overrides(case: str, recipe: str, *, grad_accum: int, steps: int, run_dir: Path, prefix: str,
+                   nonfinite_check: str = "every_step", extra: tuple[str, ...] = (), seq: int | None = None,
+                   mb: int | None = None) -> list[str]:
+    """The ``train.py`` overrides of ``CASES[case]`` under ``recipe`` (a named precision config), a step of
+    ``grad_accum`` micro-batches of the case's shape, ``steps`` steps of data from ``prefix`` (validation from the
+    same tokens), nothing written but ``config.yaml`` and the metrics files in ``run_dir`` (no checkpoints, no
+    wandb, no TensorBoard). ``seq``/``mb``: another sequence length / micro-batch than the case's. ``extra``
+    comes last (it wins)."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    size, overrides, case_seq, case_mb, all_q = CASES[case]
+    seq, mb = seq or case_seq, mb or case_mb
+    args = [f"model={size}", *(f"model.{k}={v}" for k, v in overrides.items()), f"precision={recipe}"]
+    if all_q and recipe != "bf16":
+        args += ["precision.keep_first=0", "precision.keep_last=0"]
+    args += [f"data.train_prefixes=[{prefix}]", f"data.valid_prefixes=[{prefix}]", f"data.seq_length={seq}",
+             f"data.cache_dir={run_dir / 'idx'}", f"schedule.micro_batch_size={mb}",
+             f"schedule.global_batch_size={mb * grad_accum}", f"schedule.train_steps={steps}",
+             "schedule.warmup_steps=1", "schedule.lr=1e-4", "schedule.min_lr=1e-5", "schedule.eval_interval=0",
+             "schedule.eval_batches=1", "checkpoint.interval=0", "checkpoint.save_at_end=false",
+             "checkpoint.save_on_signal=false", "checkpoint.resume=none", "logging.wandb=disabled",
+             "logging.tensorboard=false", "logging.progress=none", f"logging.nonfinite_check={nonfinite_check}",
+             f"experiment.run_dir={run_dir}", f"experiment.name=bench_{case}_{recipe}", *extra]
+    return args
 
 
-def train_step(model, ids: torch.Tensor, pos: torch.Tensor, grad_accum: int = 1, optimizer: bool = True):
-    """A training step of ``model`` on the batch ``ids``/``pos`` as ``train.py`` runs one, in pieces:
-    ``(zero, fwd_bwd, rest, step)``. ``zero`` clears the gradients; ``fwd_bwd(after_forward)`` runs the forwards
-    and backwards of ``grad_accum`` micro-batches (megatron's ``no_sync`` for all but the last, as its schedules
-    do; ``after_forward`` called once, after the first forward); ``rest`` reduces the gradients, steps the
-    optimizer and drops the weight caches; ``step(after_forward)`` is the three. With ``optimizer`` the model
-    is wrapped in megatron's DDP with the distributed optimizer (FP32 master weights, AdamW, sync-free clipping)
-    and the weight cache is on (each weight quantized once per step); without, ``zero`` and ``rest`` do nothing.
-    The one step of the step benchmark and the op census."""
-    from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
-    from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
+def build_trainer(case: str, recipe: str, *, grad_accum: int, steps: int, work_dir: Path,
+                  nonfinite_check: str = "every_step", extra: tuple[str, ...] = (), seq: int | None = None,
+                  mb: int | None = None):
+    """A :class:`~nvfp4_train.trainer.Trainer` of ``CASES[case]`` under ``recipe`` (``case_overrides``), on
+    random tokens below the model's vocabulary written under ``work_dir`` (enough for ``steps`` steps), its run
+    directory ``work_dir/<case>_<recipe>``. The caller steps it with ``train_step()`` and closes it."""
+    from nvfp4_train.config import compose_config
+    from nvfp4_train.trainer import Trainer
 
-    if optimizer:
-        ddp = net = build_ddp(model, OptimConfig())
-        opt = build_optimizer([ddp], OptimConfig(), lr=1e-4, min_lr=1e-5)
-        set_weight_cache(model, True)  # as the trainer: quantize each weight once per optimizer step
+    size, overrides, case_seq, case_mb, _ = CASES[case]
+    seq, mb = seq or case_seq, mb or case_mb
+    cfg0 = compose_config("train", [f"model={size}", *(f"model.{k}={v}" for k, v in overrides.items())])
+    tokens = (steps + 2) * grad_accum * mb * (seq + 1)
+    prefix = random_token_prefix(work_dir / "tokens", cfg0.model.vocab_size, tokens, seq + 1)
+    run_dir = work_dir / f"{case}_{recipe}"
+    return Trainer(compose_config("train", case_overrides(case, recipe, grad_accum=grad_accum, steps=steps,
+                                                          run_dir=run_dir, prefix=prefix,
+                                                          nonfinite_check=nonfinite_check, extra=extra,
+                                                          seq=seq, mb=mb)))
 
-        def zero() -> None:
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
 
-        def rest() -> None:
-            ddp.finish_grad_sync()
-            optimizer_step(opt, OptimConfig().clip_grad)
-            invalidate_weight_caches(model)
-    else:
-        net, zero, rest = model, _nothing, _nothing
-
-    def fwd_bwd(after_forward: Callable[[], None] = _nothing) -> None:
-        for i in range(grad_accum):
-            with ddp.no_sync() if optimizer and i < grad_accum - 1 else contextlib.nullcontext():
-                loss = net(ids, pos, None, labels=ids).float().mean()
-                if i == 0:
-                    after_forward()
-                loss.backward()
-
-    def step(after_forward: Callable[[], None] = _nothing) -> None:
-        zero()
-        fwd_bwd(after_forward)
-        rest()
-
-    return zero, fwd_bwd, rest, step

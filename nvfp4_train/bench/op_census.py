@@ -2,8 +2,8 @@
 line that issued them: attributes a GPU profile's elementwise/copy/reduce kernels (which carry no source
 location) to our code or megatron's, by running the same step on the CPU.
 
-It builds a case of ``nvfp4_train.bench.cases`` (the ``small`` model by default; same config, DDP, distributed
-optimizer and step) at a smaller micro-batch and sequence, runs one warm-up step (the optimizer's lazy
+It builds the trainer of a case (``nvfp4_train.bench.cases.build_trainer``: the ``small`` model by default; its config, DDP, distributed
+optimizer and its own ``train_step``) at a smaller micro-batch and sequence, runs one warm-up step (the optimizer's lazy
 state), then one full step (zero grads, forward, backward, grad sync, optimizer step) under a
 ``TorchDispatchMode`` that sees every aten op below autograd (roughly one kernel launch each on the GPU; view
 ops, which launch nothing, are dropped) and groups them by (op, operands -> result, source line, phase). The
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import tempfile
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -123,15 +124,14 @@ def numel(operands: str) -> int:
     return best
 
 
-def build_step(case: str, recipe: str, seq: int, mb: int):
-    """bench_train's model, DDP, optimizer and step (``nvfp4_train.bench.cases.train_step``, one micro-batch), at micro-batch
-    mb, seq."""
-    from nvfp4_train.parallel.setup import init_single_process
-    from nvfp4_train.bench.cases import build_case, train_step
+def build_step(case: str, recipe: str, seq: int, mb: int, work_dir: Path):
+    """The trainer's own step (``Trainer.train_step``, one micro-batch per step) of ``case`` under ``recipe`` at
+    micro-batch ``mb`` and sequence ``seq`` (``nvfp4_train.bench.cases.build_trainer``; its files under
+    ``work_dir``), and the trainer (close it when done)."""
+    from nvfp4_train.bench.cases import build_trainer
 
-    init_single_process()
-    model, _, _, ids, pos = build_case(case, recipe, seq, mb)
-    return train_step(model, ids, pos)[3]
+    trainer = build_trainer(case, recipe, grad_accum=1, steps=4, work_dir=work_dir, seq=seq, mb=mb)
+    return trainer.train_step, trainer
 
 
 def census(step) -> list[dict]:
@@ -166,7 +166,10 @@ def main() -> int:
         import models.layers
 
         models.layers.rms_norm = models.layers.rms_norm_composite
-    rows = census(build_step(a.case, a.recipe, a.seq, a.micro_batch))
+    with tempfile.TemporaryDirectory(prefix="op_census_") as tmp:
+        step, trainer = build_step(a.case, a.recipe, a.seq, a.micro_batch, Path(tmp))
+        with trainer:
+            rows = census(step)
     if a.ops:
         rows = [r for r in rows if r["op"] in a.ops]
     print(f"{a.case}/{a.recipe} micro-batch {a.micro_batch} seq {a.seq}: {sum(r['count'] for r in rows)} ops "
