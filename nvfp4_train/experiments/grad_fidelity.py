@@ -160,7 +160,7 @@ def random_batches(n: int, *, vocab_size: int, seq_length: int, micro_batch: int
 
 
 def data_batches(prefix: str, n: int, *, seq_length: int, micro_batch: int, tokenizer=None, vocab_size=None):
-    """The first ``n`` windows-batches of the token stream of ``prefix`` (``nvfp4_train.evaluate.token_batches``)."""
+    """The first ``n`` batches of the token stream of ``prefix`` (``nvfp4_train.evaluate.token_batches``)."""
     from nvfp4_train.evaluate import token_batches
 
     got = list(token_batches(prefix, seq_length=seq_length, batch_size=micro_batch, max_batches=n,
@@ -300,8 +300,8 @@ def _finish(name, batch, seeds, stochastic, layer_recipes, p: _Pass, ref, ref_no
             vals["bias_noise"].append(math.sqrt(spread2 / (seeds * (seeds - 1))) / rn if seeds > 1 else 0.0)
         values[q] = vals
         ref_norms[q] = [math.sqrt(v) for v in rn2]
-    return BatchResult(recipe=name, batch=batch, seeds=seeds, stochastic=stochastic, layer_recipes=layer_recipes, values=values,
-                       ref_norms=ref_norms)
+    return BatchResult(recipe=name, batch=batch, seeds=seeds, stochastic=stochastic, layer_recipes=layer_recipes,
+                       values=values, ref_norms=ref_norms)
 
 
 def _check_tokens(layers, recipes: dict, tokens_per_batch: int) -> None:
@@ -333,6 +333,8 @@ def measure(model, batches: Sequence, recipe_names: Sequence[str], *, sr_seeds: 
     _check_tokens(layers, recipes, batches[0][0].numel())
     infos = [LayerInfo(name=m.layer_name, layer_class=m.role, block=int(m.block)) for m in layers]
     base = [m.recipe for m in layers]
+    was_training = model.training
+    model.train()  # as in training (our configs have no dropout: the same function as eval mode)
     results = []
     try:
         for b, (tokens, labels) in enumerate(batches):
@@ -342,6 +344,7 @@ def measure(model, batches: Sequence, recipe_names: Sequence[str], *, sr_seeds: 
     finally:
         for m, r in zip(layers, base, strict=True):
             m.set_recipe(r)
+        model.train(was_training)
     return infos, results
 
 
