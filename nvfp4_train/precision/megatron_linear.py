@@ -49,7 +49,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
-from kernels.sr_key import layer_stream
+from kernels.sr_key import ROLE_SLOTS, block_seed, layer_stream
 from nvfp4_train.mcore_compat.linear import forward_impl_kwargs
 from nvfp4_train.precision.linear import LinearContext, quantized_linear
 from nvfp4_train.precision.recipe import BF16, GEMM_ROLES, QuantRecipe
@@ -65,6 +65,7 @@ __all__ = [
     "quant_layers",
     "set_weight_cache",
     "invalidate_weight_caches",
+    "set_sr_streams",
 ]
 
 # (role, operand index) -> (operand name, which weight dims are [rows, reduction]) for the weight-shaped dims;
@@ -331,3 +332,27 @@ def invalidate_weight_caches(model: torch.nn.Module) -> None:
     """
     for m in quant_layers(model):
         m.lctx.weight_cache.clear()
+
+
+def set_sr_streams(model: torch.nn.Module, run_seed: int) -> int:
+    """Give every quantized layer of ``model`` the stochastic-rounding stream it would have in a model built
+    with run seed ``run_seed`` (``models.build.build_model(..., seed=run_seed)``: ``layer_stream(block_seed(
+    run_seed, block, ROLE_SLOTS[role]), layer_name)``, see ``kernels/sr_key.py``) and restart its call counter
+    (``lctx.calls = 0``; the cached weight copies are dropped): the next forward draws the rounding bits of that
+    freshly built model's first forward. Parameters and recipes are untouched. Returns the number of layers set.
+
+    A layer must carry the global ``block`` and ``role`` the model builder gives it; a layer built on its own
+    (``block`` None) has no run-seed stream and is refused."""
+    if not isinstance(run_seed, int) or isinstance(run_seed, bool) or run_seed < 0:
+        raise ValueError(f"run_seed={run_seed!r} must be a non-negative int")
+    layers = quant_layers(model)
+    for m in layers:
+        if m.block is None or m.role not in ROLE_SLOTS:
+            raise ValueError(f"layer {m.layer_name or '<unnamed>'!r} has no global block index and role "
+                             f"(block={m.block!r}, role={m.role!r}): only layers built by the model have a "
+                             f"run-seed stream")
+    for m in layers:
+        m.lctx.seed = layer_stream(block_seed(run_seed, m.block, ROLE_SLOTS[m.role]), m.layer_name)
+        m.lctx.calls = 0
+        m.lctx.weight_cache.clear()  # a cached weight copy was rounded with the old stream
+    return len(layers)

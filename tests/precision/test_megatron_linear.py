@@ -15,8 +15,10 @@ from nvfp4_train.precision.megatron_linear import (
     QuantColumnParallelLinear,
     QuantRowParallelLinear,
     invalidate_weight_caches,
+    quant_layers,
     recipe_padding,
     recipe_shape_problems,
+    set_sr_streams,
     set_weight_cache,
     token_block,
 )
@@ -307,3 +309,31 @@ def test_stochastic_rounding_gradient_is_unbiased(gen):
     # sample is its mean over 400, and that breaks the 400-sample bound widely
     rne = apply_ablations(named_recipe("nvfp4"), Ablations(stochastic_rounding=False))
     assert _sr_violations(rne, gen, samples=1, bound_samples=400) > 0.25
+
+
+def test_set_sr_streams_gives_the_streams_of_a_model_built_with_that_seed():
+    """A model built with run seed 0, then set_sr_streams(model, s), has every quantized layer's stream that a
+    model built with run seed s has (models.hybrid: block_seed -> layer_stream), its call counter restarted."""
+    from models.build import build_model, transformer_config
+    from models.config import SIZES
+    from nvfp4_train.precision.layer_map import LayerPrecisionMap
+
+    mc = SIZES["tiny"]
+    lm = LayerPrecisionMap(mc.pattern, "nvfp4", keep_first=0, keep_last=0)
+    tcfg = transformer_config(mc, params_dtype=torch.bfloat16, use_cpu_initialization=True)
+    a = quant_layers(build_model(mc, lm, config=tcfg, seed=0, seq_length=64))
+    b = quant_layers(build_model(mc, lm, config=tcfg, seed=1234, seq_length=64))
+    assert len(a) == len(b) == 12
+    for m in a:
+        m.lctx.calls = 5
+    container = torch.nn.ModuleList(a)
+    assert set_sr_streams(container, 1234) == 12
+    assert [m.lctx.seed for m in a] == [m.lctx.seed for m in b]
+    assert all(m.lctx.calls == 0 for m in a)
+    set_sr_streams(container, 0)
+    assert len({m.lctx.seed for m in a} | {m.lctx.seed for m in b}) == 24  # other seeds: other streams
+    with pytest.raises(ValueError, match="run_seed"):
+        set_sr_streams(container, -1)
+    loose = column(QuantColumnParallelLinear, 64, 128, config(), recipe=named_recipe("nvfp4"), layer_name="x")
+    with pytest.raises(ValueError, match="'x' has no global block index"):
+        set_sr_streams(loose, 0)
