@@ -38,6 +38,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -336,8 +337,12 @@ def measure(model, batches: Sequence, recipe_names: Sequence[str], *, sr_seeds: 
     was_training = model.training
     model.train()  # as in training (our configs have no dropout: the same function as eval mode)
     results = []
+    t0 = time.perf_counter()
     try:
         for b, (tokens, labels) in enumerate(batches):
+            if b:  # progress on stderr: a run of minutes says how far it got
+                print(f"grad_fidelity: batch {b}/{len(batches)} done, {time.perf_counter() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
             tokens, labels = tokens.to(device), labels.to(device)
             results += measure_batch(model, layers, tokens, labels, recipes, bf16_map=bf16_map, sr_seeds=sr_seeds,
                                      base_seed=base_seed, batch=b, sample_all=sample_all)
