@@ -1,8 +1,8 @@
 """The command lines, with Hydra's usual options around the compose API.
 
     nvfp4-train ...            (``python train.py ...``)             train a model
-    nvfp4-summary ...          (``python -m models.summary ...``)     pattern and parameter count of a model
-    nvfp4-precision-table ...  (``python -m nvfp4_train.precision.table ...``)  the layer precision table
+    nvfp4-summary ...          (``python -m nvfp4_train.summary ...``)     pattern and parameter count of a model
+    nvfp4-precision-table ...  (``python -m nvfp4_train.table ...``)  the layer precision table
 
 Each takes Hydra overrides (``group=option``, ``section.key=value``, ``+key=value``) and:
 
@@ -258,9 +258,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 
 def summary_main(argv: Sequence[str] | None = None) -> int:
-    """``nvfp4-summary`` / ``python -m models.summary``."""
-    from models.summary import __doc__ as doc
-    from models.summary import summary
+    """``nvfp4-summary`` / ``python -m nvfp4_train.summary``."""
+    from nvfp4_train.summary import __doc__ as doc
+    from nvfp4_train.summary import summary
 
     def one(job: list[str]) -> int:
         print(summary(job))
@@ -271,9 +271,9 @@ def summary_main(argv: Sequence[str] | None = None) -> int:
 
 
 def table_main(argv: Sequence[str] | None = None) -> int:
-    """``nvfp4-precision-table`` / ``python -m nvfp4_train.precision.table``."""
-    from nvfp4_train.precision.table import __doc__ as doc
-    from nvfp4_train.precision.table import render
+    """``nvfp4-precision-table`` / ``python -m nvfp4_train.table``."""
+    from nvfp4_train.table import __doc__ as doc
+    from nvfp4_train.table import render
 
     def one(job: list[str]) -> int:
         print(render(job))

@@ -49,7 +49,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
-from kernels.sr_key import layer_stream
+from nvfp4_train.kernels.sr_key import layer_stream
 from nvfp4_train.mcore_compat.linear import forward_impl_kwargs
 from nvfp4_train.precision.linear import LinearContext, quantized_linear
 from nvfp4_train.precision.recipe import BF16, GEMM_ROLES, QuantRecipe
