@@ -194,7 +194,18 @@ def _train_one(overrides: list[str]) -> int:
 
 
 def _train_one_run(overrides: list[str]) -> int:
+    from nvfp4_train.warnings_log import ThirdPartyWarnings
+
+    routed = ThirdPartyWarnings().install()  # before megatron-core and torch.distributed are imported
+    try:
+        return _train_routed(overrides, routed)
+    finally:
+        routed.close()
+
+
+def _train_routed(overrides: list[str], routed) -> int:
     import os
+    from pathlib import Path
 
     from nvfp4_train.config import compose_config
     from nvfp4_train.config.compose import check_run
@@ -205,6 +216,7 @@ def _train_one_run(overrides: list[str]) -> int:
         check_run(cfg, world_size)  # what would otherwise fail only after the model is built
     except _user_errors() as e:  # Hydra / OmegaConf / schema validation: the message names the key or value
         return _error("train.py", e)
+    routed.attach(Path(cfg.experiment.resolved_run_dir()), rank=int(os.environ.get("RANK") or 0))
     from nvfp4_train.checkpoint import CheckpointWriteError
     from nvfp4_train.trainer import RunDirLocked, TrainingDiverged, train
 

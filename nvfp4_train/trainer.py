@@ -336,8 +336,8 @@ class Trainer:
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.device = torch.device(ps.device)
         self.is_rank0 = ps.rank == 0
-        if not self.is_rank0:
-            warnings.filterwarnings("ignore")
+        if not self.is_rank0:  # rank 0 reports the third-party warnings every rank would repeat; ours stay
+            warnings.filterwarnings("ignore", module=r"(?!nvfp4_train(\.|$))")
         if ps.cpu_compat:  # on CPU the "CUDA" RNG of megatron's tracker IS the CPU RNG: its every-step warning
             logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)  # says nothing
         self._resume_changes: list[tuple[str, dict, str]] = []  # (event, fields, note) logged when run() starts
