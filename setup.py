@@ -1,12 +1,21 @@
-"""What ``pyproject.toml`` cannot declare: the YAML config tree, kept at the top of the repository as
-``configs/``, ships inside the wheel as the package data of ``nvfp4_train.configs`` (so an installed wheel
-composes configs on its own and installs no top-level ``configs``). Everything else is in ``pyproject.toml``."""
+"""What ``pyproject.toml`` cannot declare: the repository keeps each layer in a folder of its own at the top
+(``kernels/``, ``precision/``, ``models/``, the trainer ``nvfp4_train/``) and the YAML config tree as
+``configs/``; all of them install under the one namespace ``nvfp4_train`` (``nvfp4_train.kernels``,
+``nvfp4_train.precision``, ``nvfp4_train.models``, ``nvfp4_train.configs`` with the YAML files as package data),
+so the wheel installs no top-level package but ``nvfp4_train``. An editable install (``make install``) maps each
+of them to its folder. Everything else is in ``pyproject.toml``."""
 
-from setuptools import find_namespace_packages, setup
+from setuptools import find_packages, setup
+
+# package -> the repository folder it is installed from
+LAYERS = {"nvfp4_train.kernels": "kernels", "nvfp4_train.precision": "precision", "nvfp4_train.models": "models"}
+
+packages = find_packages(include=["nvfp4_train", "nvfp4_train.*"]) + ["nvfp4_train.configs"]
+for pkg, folder in LAYERS.items():
+    packages += [pkg] + [f"{pkg}.{sub}" for sub in find_packages(where=folder)]
 
 setup(
-    packages=find_namespace_packages(include=["kernels", "kernels.*", "models", "models.*", "nvfp4_train",
-                                              "nvfp4_train.*"]) + ["nvfp4_train.configs"],
-    package_dir={"nvfp4_train.configs": "configs"},
+    packages=packages,
+    package_dir={**LAYERS, "nvfp4_train.configs": "configs"},
     package_data={"nvfp4_train": ["data/tokenizer.json"], "nvfp4_train.configs": ["*.yaml", "*/*.yaml"]},
 )

@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import interpret_mode
-from kernels.fp4_triton import cdiv, round_to_bf16, u32
+from nvfp4_train.kernels._dispatch import interpret_mode
+from nvfp4_train.kernels.fp4_triton import cdiv, round_to_bf16, u32
 
 # compile-time codes
 DOT_FP16 = tl.constexpr(0)
@@ -534,7 +534,7 @@ _CUBLAS_DTYPES = (torch.bfloat16, torch.float16)
 _ALPHA_BLOCK = 4096
 
 
-# the Hopper engines of predequant_fp4_gemm (``engine=``); kernels.gemm_engine.GEMM_ENGINES adds "native", "auto"
+# the Hopper engines of predequant_fp4_gemm (``engine=``); nvfp4_train.kernels.gemm_engine.GEMM_ENGINES adds "native", "auto"
 HOPPER_ENGINES = ("cublas", "triton")
 
 

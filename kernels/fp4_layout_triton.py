@@ -8,13 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_layout import blocked_numel
+from nvfp4_train.kernels.fp4_layout import blocked_numel
 
 
 @triton.jit
 def scale_offset(r, c, cols, SWIZZLE: tl.constexpr):
     """Where scale (r, c) of a [rows, cols] scale matrix goes: row-major, or (``SWIZZLE``) the native GEMM's
-    128x4-tile layout (``kernels.fp4_layout.blocked_offset``, the same expression)."""
+    128x4-tile layout (``nvfp4_train.kernels.fp4_layout.blocked_offset``, the same expression)."""
     if SWIZZLE:
         rr = r % 128
         return ((r // 128) * ((cols + 3) // 4) + c // 4) * 512 + (rr % 32) * 16 + (rr // 32) * 4 + c % 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.fp4_reference import RHT_SIGNS
+from nvfp4_train.kernels.fp4_reference import RHT_SIGNS
 
 # bit i set <=> RHT sign i is -1
 RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0))

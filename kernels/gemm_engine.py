@@ -37,7 +37,7 @@ _NATIVE_BY_DEVICE: dict = {}
 
 def _native_supported(device) -> bool:
     """Whether ``device`` (a torch.device) runs the native FP4 GEMM: a CUDA device of compute capability 10.0
-    or later whose support ``kernels.nvfp4.native.native_fp4_supported`` confirms (imported only there).
+    or later whose support ``nvfp4_train.kernels.nvfp4.native.native_fp4_supported`` confirms (imported only there).
     Cached per device."""
     if device.type != "cuda":
         return False
@@ -49,7 +49,7 @@ def _native_supported(device) -> bool:
             return _native_supported(torch.device("cuda", torch.cuda.current_device()))
         ok = torch.cuda.get_device_capability(idx)[0] >= 10
         if ok:
-            from kernels.nvfp4.native import native_fp4_supported
+            from nvfp4_train.kernels.nvfp4.native import native_fp4_supported
 
             ok = bool(native_fp4_supported(torch.device("cuda", idx)))
         _NATIVE_BY_DEVICE[idx] = ok

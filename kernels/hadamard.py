@@ -20,7 +20,7 @@ rounding. A NaN's sign and payload are not specified (torch's own fp32 -> bf16 c
 vectorised CPU path, 0x7FC0 in scalar code, 0x7FFF on CUDA; the kernel keeps the top half of the fp32 NaN):
 the NaN positions are the same.
 
-The kernel is used where ``kernels._dispatch.use_triton(x)`` (CUDA tensors; CPU under ``TRITON_INTERPRET=1``),
+The kernel is used where ``nvfp4_train.kernels._dispatch.use_triton(x)`` (CUDA tensors; CPU under ``TRITON_INTERPRET=1``),
 the reference otherwise.
 """
 
@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_2d_float
-from kernels._dispatch import use_triton
-from kernels.fp4_triton import as_kernel_input, load_tile, rht16_last, u32
-from kernels.nvfp4.reference import BLOCK, hadamard16_ref
+from nvfp4_train.kernels._checks import check_2d_float
+from nvfp4_train.kernels._dispatch import use_triton
+from nvfp4_train.kernels.fp4_triton import as_kernel_input, load_tile, rht16_last, u32
+from nvfp4_train.kernels.nvfp4.reference import BLOCK, hadamard16_ref
 
 __all__ = ["hadamard16", "hadamard16_triton", "check_hadamard_input"]
 

@@ -28,7 +28,7 @@ import zlib
 
 import torch
 
-from kernels.fp4_reference import _MASK32, _mul32, mix32, seed_key
+from nvfp4_train.kernels.fp4_reference import _MASK32, _mul32, mix32, seed_key
 
 __all__ = [
     "ROLE_SLOTS",

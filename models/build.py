@@ -1,7 +1,7 @@
 """Build the hybrid model of one pipeline stage on megatron-core: ``transformer_config`` maps our
-:class:`~models.config.ModelConfig` (+ parallel sizes) to megatron's ``TransformerConfig``; ``build_model``
-builds :class:`~models.hybrid.HybridModel` with every linear layer's recipe resolved by the layer
-precision map. This module and ``models.hybrid`` are the only places that talk to megatron-core's model
+:class:`~nvfp4_train.models.config.ModelConfig` (+ parallel sizes) to megatron's ``TransformerConfig``; ``build_model``
+builds :class:`~nvfp4_train.models.hybrid.HybridModel` with every linear layer's recipe resolved by the layer
+precision map. This module and ``nvfp4_train.models.hybrid`` are the only places that talk to megatron-core's model
 classes (a megatron upgrade touches them and nothing else)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from models.config import ModelConfig
-from models.hybrid import HybridModel, HybridStack
-from models.pattern import HybridPattern
+from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.hybrid import HybridModel, HybridStack
+from nvfp4_train.models.pattern import HybridPattern
 from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from models.pattern import ATTENTION, MAMBA, MLP, HybridPattern
+from nvfp4_train.models.pattern import ATTENTION, MAMBA, MLP, HybridPattern
 
 __all__ = [
     "ModelConfig",
@@ -35,7 +35,7 @@ class ModelConfig:
     name: str = "custom"
     """A label for logs and tables."""
     pattern: str
-    """Hybrid layout (``models.pattern``): ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``|`` pipeline stage."""
+    """Hybrid layout (``nvfp4_train.models.pattern``): ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``|`` pipeline stage."""
     num_layers: int | None = None
     """Number of blocks (pattern characters other than ``|``); checked against the pattern when given."""
     hidden_size: int

@@ -5,8 +5,8 @@ convolutions and elementwise ops are left out. Training = 3 x forward (forward, 
 
 from __future__ import annotations
 
-from models.config import ModelConfig
-from models.pattern import ATTENTION, MAMBA, MLP
+from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.pattern import ATTENTION, MAMBA, MLP
 
 __all__ = ["forward_flops_per_token", "training_flops_per_token"]
 

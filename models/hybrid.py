@@ -6,9 +6,9 @@ stage. Each block is built from a ``ModuleSpec``:
 
 ==========  =========================================================================================
 ``*``        megatron's ``TransformerLayer`` with ``input_layernorm`` + ``SelfAttention`` (causal; its
-             core attention through PyTorch SDPA, :mod:`models.attention`) and no MLP
+             core attention through PyTorch SDPA, :mod:`nvfp4_train.models.attention`) and no MLP
 ``-``        megatron's ``TransformerLayer`` with ``pre_mlp_layernorm`` + ``MLP`` and no attention
-``M``        our :class:`models.mamba.mixer.MambaLayer` (RMSNorm + Mamba-2 mixer)
+``M``        our :class:`nvfp4_train.models.mamba.mixer.MambaLayer` (RMSNorm + Mamba-2 mixer)
 ==========  =========================================================================================
 
 Every linear slot (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, ``in_proj``,
@@ -35,12 +35,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from kernels.sr_key import ROLE_SLOTS, block_seed
-from models.config import ModelConfig
-from models.attention import SDPAttention
-from models.layers import RMSNorm, linear_spec
-from models.mamba.mixer import MambaLayer, MambaLayerSubmodules, MambaMixer, MambaMixerSubmodules
-from models.pattern import ATTENTION, MAMBA, MLP as MLP_KIND, HybridPattern
+from nvfp4_train.kernels.sr_key import ROLE_SLOTS, block_seed
+from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.attention import SDPAttention
+from nvfp4_train.models.layers import RMSNorm, linear_spec
+from nvfp4_train.models.mamba.mixer import MambaLayer, MambaLayerSubmodules, MambaMixer, MambaMixerSubmodules
+from nvfp4_train.models.pattern import ATTENTION, MAMBA, MLP as MLP_KIND, HybridPattern
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
 __all__ = ["block_spec", "HybridStack", "HybridModel"]
@@ -169,6 +169,6 @@ class HybridModel(MambaModel):
 
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward) of the whole model, all stages."""
-        from models.flops import training_flops_per_token
+        from nvfp4_train.models.flops import training_flops_per_token
 
         return training_flops_per_token(self.model_cfg, seq_length)

@@ -1,8 +1,8 @@
 """The command lines, with Hydra's usual options around the compose API.
 
     nvfp4-train ...            (``python train.py ...``)             train a model
-    nvfp4-summary ...          (``python -m models.summary ...``)     pattern and parameter count of a model
-    nvfp4-precision-table ...  (``python -m nvfp4_train.precision.table ...``)  the layer precision table
+    nvfp4-summary ...          (``python -m nvfp4_train.summary ...``)     pattern and parameter count of a model
+    nvfp4-precision-table ...  (``python -m nvfp4_train.table ...``)  the layer precision table
 
 Each takes Hydra overrides (``group=option``, ``section.key=value``, ``+key=value``) and:
 
@@ -194,7 +194,18 @@ def _train_one(overrides: list[str]) -> int:
 
 
 def _train_one_run(overrides: list[str]) -> int:
+    from nvfp4_train.warnings_log import ThirdPartyWarnings
+
+    routed = ThirdPartyWarnings().install()  # before megatron-core and torch.distributed are imported
+    try:
+        return _train_routed(overrides, routed)
+    finally:
+        routed.close()
+
+
+def _train_routed(overrides: list[str], routed) -> int:
     import os
+    from pathlib import Path
 
     from nvfp4_train.config import compose_config
     from nvfp4_train.config.compose import check_run
@@ -205,6 +216,7 @@ def _train_one_run(overrides: list[str]) -> int:
         check_run(cfg, world_size)  # what would otherwise fail only after the model is built
     except _user_errors() as e:  # Hydra / OmegaConf / schema validation: the message names the key or value
         return _error("train.py", e)
+    routed.attach(Path(cfg.experiment.resolved_run_dir()), rank=int(os.environ.get("RANK") or 0))
     from nvfp4_train.checkpoint import CheckpointWriteError
     from nvfp4_train.trainer import RunDirLocked, TrainingDiverged, train
 
@@ -258,9 +270,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 
 def summary_main(argv: Sequence[str] | None = None) -> int:
-    """``nvfp4-summary`` / ``python -m models.summary``."""
-    from models.summary import __doc__ as doc
-    from models.summary import summary
+    """``nvfp4-summary`` / ``python -m nvfp4_train.summary``."""
+    from nvfp4_train.summary import __doc__ as doc
+    from nvfp4_train.summary import summary
 
     def one(job: list[str]) -> int:
         print(summary(job))
@@ -271,9 +283,9 @@ def summary_main(argv: Sequence[str] | None = None) -> int:
 
 
 def table_main(argv: Sequence[str] | None = None) -> int:
-    """``nvfp4-precision-table`` / ``python -m nvfp4_train.precision.table``."""
-    from nvfp4_train.precision.table import __doc__ as doc
-    from nvfp4_train.precision.table import render
+    """``nvfp4-precision-table`` / ``python -m nvfp4_train.table``."""
+    from nvfp4_train.table import __doc__ as doc
+    from nvfp4_train.table import render
 
     def one(job: list[str]) -> int:
         print(render(job))

@@ -1,7 +1,7 @@
 """The training loop: ``train(cfg, model_provider=None)``, or ``Trainer(cfg)`` step by step.
 
 Model-agnostic: the model comes from ``model_provider(pre_process, post_process) -> MegatronModule`` (the
-hybrid model of ``models.build`` by default) whose ``forward(input_ids=, position_ids=, attention_mask=,
+hybrid model of ``nvfp4_train.models.build`` by default) whose ``forward(input_ids=, position_ids=, attention_mask=,
 labels=)`` returns the per-token loss ``[b, s]`` on the last pipeline stage, like megatron's ``GPTModel``.
 Optional model methods the trainer uses when present: ``precision_layers()`` (the precision switch: each
 layer carries its global ``block`` index and ``role``), ``flops_per_token(seq_length)`` (MFU; else 6 x
@@ -70,9 +70,9 @@ class TrainResult:
 
 
 def hybrid_model_provider(cfg, layer_map: LayerPrecisionMap | None = None):
-    """The default provider: ``models.build.build_model`` (the hybrid Mamba-Transformer) with ``layer_map``
+    """The default provider: ``nvfp4_train.models.build.build_model`` (the hybrid Mamba-Transformer) with ``layer_map``
     (the trainer hands down the map it resolved; None: resolved here from ``cfg.precision``)."""
-    from models.build import build_model, transformer_config
+    from nvfp4_train.models.build import build_model, transformer_config
 
     if layer_map is None:
         layer_map = cfg.precision.layer_map(cfg.model.pattern)
@@ -336,8 +336,8 @@ class Trainer:
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.device = torch.device(ps.device)
         self.is_rank0 = ps.rank == 0
-        if not self.is_rank0:
-            warnings.filterwarnings("ignore")
+        if not self.is_rank0:  # rank 0 reports the third-party warnings every rank would repeat; ours stay
+            warnings.filterwarnings("ignore", module=r"(?!nvfp4_train(\.|$))")
         if ps.cpu_compat:  # on CPU the "CUDA" RNG of megatron's tracker IS the CPU RNG: its every-step warning
             logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)  # says nothing
         self._resume_changes: list[tuple[str, dict, str]] = []  # (event, fields, note) logged when run() starts
@@ -829,7 +829,7 @@ class Trainer:
                f"; {self.skipped_steps} skipped in total; last loss {out.loss}); {text}. The last good "
                f"checkpoint is {streak.checkpoint_before or 'none (none was saved)'} (rerun with "
                f"checkpoint.resume=auto to resume from it); lower schedule.lr or check precision "
-               f"(python -m nvfp4_train.precision.table)")
+               f"(python -m nvfp4_train.table)")
         self.metrics.event("diverged", self.step, message=msg, first_nonfinite_layer=first_layer,
                            first_nonfinite_step=streak.first_step if first else None,
                            first_nonfinite_in=first.where if first else None,

@@ -50,15 +50,15 @@ from pathlib import Path
 import torch
 import triton
 
-from kernels.fp4_gemm import (
+from nvfp4_train.kernels.fp4_gemm import (
     GemmConfig,
     dequantize_fp4_blockwise_pair_triton,
     gemm_alpha_cublas,
     gemm_alpha_triton,
     scale_alpha_triton,
 )
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE
-from kernels.nvfp4 import (
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE
+from nvfp4_train.kernels.nvfp4 import (
     dequantize_nvfp4_ref,
     nvfp4_gemm,
     nvfp4_gemm_ref,
@@ -67,8 +67,8 @@ from kernels.nvfp4 import (
     quantize_nvfp4_rowcol,
     quantize_nvfp4_rowcol_ref,
 )
-from kernels.nvfp4.gemm import nvfp4_gemm_predequant
-from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha
+from nvfp4_train.kernels.nvfp4.gemm import nvfp4_gemm_predequant
+from nvfp4_train.kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha
 
 M_TOKENS = 8192
 # (name, K, N) of the 12B model's linear layers (docs: GPU.md's table)
@@ -193,7 +193,7 @@ def check_nvfp4_gemm(c: torch.Tensor, a: NVFP4Tensor, b: NVFP4Tensor, exact_dequ
 
 
 def check_mxfp4_gemm(c: torch.Tensor, a, b) -> str | None:
-    from kernels.mxfp4.reference import MXFP4Tensor, dequantize_mxfp4_ref
+    from nvfp4_train.kernels.mxfp4.reference import MXFP4Tensor, dequantize_mxfp4_ref
 
     r = CHECK_ROWS
     da = dequantize_mxfp4_ref(MXFP4Tensor(a.codes[:r], a.scales[:r])).double()
@@ -372,8 +372,8 @@ class Run:
 
     def mxfp4(self, x, w) -> float | None:
         try:
-            from kernels.mxfp4 import quantize_mxfp4
-            from kernels.mxfp4.gemm import mxfp4_gemm_triton
+            from nvfp4_train.kernels.mxfp4 import quantize_mxfp4
+            from nvfp4_train.kernels.mxfp4.gemm import mxfp4_gemm_triton
 
             a, b = quantize_mxfp4(x), quantize_mxfp4(w)
         except Exception as e:

@@ -25,9 +25,9 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kernels.fp4_reference import seed_key
-from kernels.nvfp4.quantize import amax_triton, quantize_nvfp4_rowcol_triton
-from kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref
+from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.nvfp4.quantize import amax_triton, quantize_nvfp4_rowcol_triton
+from nvfp4_train.kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref
 
 M = 8192
 # (label, quantize-pass config, amax-pass config, modes)

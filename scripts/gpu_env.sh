@@ -2,9 +2,12 @@
 # Source at the start of a command on an offline GPU machine (our H200):
 #     source scripts/gpu_env.sh [WHEEL_DIR] || exit 1
 # Installs the wheelhouse made by scripts/wheelhouse.sh (default WHEEL_DIR: <repo>/.whl) into /tmp/site without
-# touching the machine's own packages (its CUDA torch, triton, ...), then puts /tmp/site and the repository root
-# first on PYTHONPATH. Idempotent: a second call with the same wheels only sets PYTHONPATH again. Every failure
-# prints "gpu_env: error: ..." and returns non-zero.
+# touching the machine's own packages (its CUDA torch, triton, ...), puts /tmp/site and the repository root
+# first on PYTHONPATH, and installs the project itself editable into the interpreter's environment (pip -e,
+# offline: what `make install` does), which maps nvfp4_train.kernels/.precision/.models to kernels/, precision/,
+# models/. Idempotent: a second call with the same wheels only sets PYTHONPATH again (and installs the project
+# only if that interpreter does not already map it to this checkout). Every failure prints "gpu_env: error: ..."
+# and returns non-zero.
 #
 # Variables: GPU_ENV_SITE (default /tmp/site), GPU_PY (default python3: on the H200 that is the interpreter holding
 # torch). docs/wheelhouse.md explains the whole path.
@@ -65,6 +68,16 @@ EOF
     # skip list of --minimal assumes some of the image's versions).
     "$py" "$repo/scripts/_wheelhouse.py" check-site "$site" >&2 \
       || echo "gpu_env: warning: the requirement check itself failed (above)" >&2
+  fi
+  # The project, editable: nvfp4_train.kernels etc. live in kernels/ etc., which only the installed package maps
+  # (the repository root on PYTHONPATH gives nvfp4_train but not them). Skipped when this checkout is mapped.
+  if ! (cd / && "$py" -c 'import importlib.util as u, sys; s = u.find_spec("nvfp4_train.kernels")
+sys.exit(s is None or s.origin != sys.argv[1])' "$repo/kernels/__init__.py") 2>/dev/null; then
+    echo "gpu_env: installing the project (editable) from $repo" >&2
+    if ! "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e "$repo"; then
+      echo "gpu_env: error: pip could not install $repo editable (above; it needs setuptools >= 68 in $py's environment)" >&2
+      return 1
+    fi
   fi
   echo "gpu_env: PYTHONPATH=$PYTHONPATH" >&2
   return 0

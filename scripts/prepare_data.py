@@ -6,11 +6,8 @@
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from nvfp4_train.data.prepare import main  # noqa: E402
+from nvfp4_train.data.prepare import main
 
 if __name__ == "__main__":
     sys.exit(main())

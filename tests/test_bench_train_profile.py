@@ -197,12 +197,12 @@ def test_sync_frames_filters_and_orders():
              _frame(str(ROOT / "scripts/bench_train.py"), 10, "step"),
              _frame(f"{SITE}/megatron/core/distributed/ddp.py", 20, "forward"),
              _frame(f"{SITE}/numpy/core/x.py", 5, "np_thing"),              # not a listed library
-             _frame(str(ROOT / "nvfp4_train/precision/ops.py"), 30, "quantize"),
+             _frame(str(ROOT / "precision/ops.py"), 30, "quantize"),
              _frame(f"{SITE}/torch/_tensor.py", 40, "item")]                # innermost
-    assert sync_frames(stack) == ("torch/_tensor.py:40 item", "nvfp4_train/precision/ops.py:30 quantize",
+    assert sync_frames(stack) == ("torch/_tensor.py:40 item", "precision/ops.py:30 quantize",
                                   "megatron/core/distributed/ddp.py:20 forward",
                                   "scripts/bench_train.py:10 step")
-    assert sync_frames(stack, n=2) == ("torch/_tensor.py:40 item", "nvfp4_train/precision/ops.py:30 quantize")
+    assert sync_frames(stack, n=2) == ("torch/_tensor.py:40 item", "precision/ops.py:30 quantize")
     # a library checked out outside site-packages counts by its directory name
     assert sync_frames([_frame("/opt/src/mamba_ssm/ops/ssd.py", 7, "fwd")]) == ("mamba_ssm/ops/ssd.py:7 fwd",)
     assert sync_frames([_frame("<stdin>", 1, "<module>")]) == ()

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import use_triton
-from kernels.fp8.gemm import BACKENDS, blockwise_supported, fp8_gemm, fp8_gemm_backend
-from kernels.fp8.reference import (
+from nvfp4_train.kernels._dispatch import use_triton
+from nvfp4_train.kernels.fp8.gemm import BACKENDS, blockwise_supported, fp8_gemm, fp8_gemm_backend
+from nvfp4_train.kernels.fp8.reference import (
     BLOCK,
     FP8Tensor,
     check_amax_block,
@@ -79,7 +79,7 @@ def fp8_amax(x: torch.Tensor) -> torch.Tensor:
     """The raw tensor amax, float32 0-d: max |x| with NaN/Inf counted as +Inf (MAX-all-reducible)."""
     if not use_triton(x):
         return fp8_amax_ref(x)
-    from kernels.fp8.quantize import fp8_amax_triton
+    from nvfp4_train.kernels.fp8.quantize import fp8_amax_triton
 
     return fp8_amax_triton(x).reshape(())
 
@@ -104,7 +104,7 @@ def quantize_fp8_tensorwise(x: torch.Tensor, amax: torch.Tensor | None = None, a
     amax = _tensor_amax(x, amax, amax_group)
     if not use_triton(x):
         return quantize_fp8_tensorwise_ref(x, amax)
-    from kernels.fp8.quantize import quantize_fp8_tensorwise_triton
+    from nvfp4_train.kernels.fp8.quantize import quantize_fp8_tensorwise_triton
 
     data, _, sinv = quantize_fp8_tensorwise_triton(x, amax=amax)
     return _wrap(data, sinv, None)
@@ -117,7 +117,7 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, BLOCK)) -> FP8Tensor:
         return quantize_fp8_tensorwise(x)
     if not use_triton(x):
         return quantize_fp8_blockwise_ref(x, block)
-    from kernels.fp8.quantize import quantize_fp8_blockwise_triton
+    from nvfp4_train.kernels.fp8.quantize import quantize_fp8_blockwise_triton
 
     data, sinv, _, _ = quantize_fp8_blockwise_triton(x, block)
     return _wrap(data, sinv, block)
@@ -148,11 +148,11 @@ def quantize_fp8_rowcol(
     if not use_triton(x):
         return quantize_fp8_rowcol_ref(x, block, amax)
     if block is None:
-        from kernels.fp8.quantize import quantize_fp8_tensorwise_triton
+        from nvfp4_train.kernels.fp8.quantize import quantize_fp8_tensorwise_triton
 
         data, data_t, sinv = quantize_fp8_tensorwise_triton(x, write_col=True, amax=amax)
         return _wrap(data, sinv, None), _wrap(data_t, sinv, None)
-    from kernels.fp8.quantize import quantize_fp8_blockwise_triton
+    from nvfp4_train.kernels.fp8.quantize import quantize_fp8_blockwise_triton
 
     rd, rs, cd, cs = quantize_fp8_blockwise_triton(x, block, write_row=True, write_col=True)
     return _wrap(rd, rs, block), _wrap(cd, cs, block)

@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from kernels.fp8.reference import BLOCK, FP8Tensor, fp8_gemm_ref, m_major
+from nvfp4_train.kernels.fp8.reference import BLOCK, FP8Tensor, fp8_gemm_ref, m_major
 
 BACKENDS = ("scaled_mm_blockwise", "scaled_mm_tensorwise", "scaled_mm_rowwise_per_kblock", "emulated_fp64")
 _ONE_BY = (1, BLOCK)

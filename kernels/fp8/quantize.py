@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import as_kernel_input, e4m3_rne, load_tile
+from nvfp4_train.kernels.fp4_triton import as_kernel_input, e4m3_rne, load_tile
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _LAUNCH_OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -136,7 +136,7 @@ def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
 
 def quantize_scale_inv_host(amax: torch.Tensor) -> torch.Tensor:
     """scale_inv (0-d) of an empty tensor's per-tensor quantization, with torch ops (no launch)."""
-    from kernels.fp8.reference import encode_decode_scales
+    from nvfp4_train.kernels.fp8.reference import encode_decode_scales
 
     a = amax.reshape(())
     a = torch.where(torch.isfinite(a), a, torch.full_like(a, float("nan")))
@@ -153,7 +153,7 @@ def quantize_fp8_blockwise_triton(
     block_k: int = 128,
     num_warps: int = 8,
 ):
-    """Launch the blockwise kernel. Inputs are validated by the caller (``kernels.fp8``).
+    """Launch the blockwise kernel. Inputs are validated by the caller (``nvfp4_train.kernels.fp8``).
 
     Returns (row_data_u8, row_scale_inv, col_data_u8, col_scale_inv); absent copies are None.
     """

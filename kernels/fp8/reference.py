@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import check_2d_float
+from nvfp4_train.kernels._checks import check_2d_float
 
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max

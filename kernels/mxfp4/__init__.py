@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import use_triton
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
-from kernels.fp4_reference import seed_key
-from kernels.mxfp4.reference import (
+from nvfp4_train.kernels._dispatch import use_triton
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
+from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.mxfp4.reference import (
     BLOCK,
     MXFP4Tensor,
     check_col_input,
@@ -62,7 +62,7 @@ def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int = 0, blo
     check_input(x, block_2d)
     if not use_triton(x):
         return quantize_mxfp4_ref(x, stochastic=stochastic, seed=seed, block_2d=block_2d, swizzled=swizzled)
-    from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
+    from nvfp4_train.kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
     codes, scales, _, _ = quantize_mxfp4_rowcol_triton(
         x, row_stochastic=stochastic, row_key=seed_key(seed), block_2d=block_2d, swizzled=swizzled
@@ -91,7 +91,7 @@ def quantize_mxfp4_rowcol(
             x, row_stochastic=row_stochastic, col_stochastic=col_stochastic, row_seed=row_seed,
             col_seed=col_seed, block_2d=block_2d, swizzled=swizzled,
         )
-    from kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
+    from nvfp4_train.kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
     rc, rs, cc, cs = quantize_mxfp4_rowcol_triton(
         x, write_row=True, write_col=True, row_stochastic=row_stochastic, col_stochastic=col_stochastic,
@@ -123,12 +123,12 @@ def mxfp4_gemm(a: MXFP4Tensor, b: MXFP4Tensor, out_dtype: torch.dtype = torch.bf
     if not use_triton(a.codes):
         return mxfp4_gemm_ref(a, b, out_dtype=out_dtype)
     if resolve_gemm_engine(engine, a.codes.device) == "native":
-        from kernels.mxfp4.native import mxfp4_gemm_native
+        from nvfp4_train.kernels.mxfp4.native import mxfp4_gemm_native
 
         return mxfp4_gemm_native(a, b, out_dtype=out_dtype)
     if a.swizzled or b.swizzled:
         raise ValueError(f"MXFP4 GEMM: swizzled scales are the native engine's layout; engine {engine!r} takes "
                          f"row-major scales (quantize with swizzled=False)")
-    from kernels.mxfp4.gemm import mxfp4_gemm_triton
+    from nvfp4_train.kernels.mxfp4.gemm import mxfp4_gemm_triton
 
     return mxfp4_gemm_triton(a, b, out_dtype=out_dtype)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import interpret_mode
-from kernels.fp4_gemm import GemmConfig, predequant_fp4_gemm
+from nvfp4_train.kernels._dispatch import interpret_mode
+from nvfp4_train.kernels.fp4_gemm import GemmConfig, predequant_fp4_gemm
 
 MX_BLOCK = 32
 

@@ -1,5 +1,5 @@
 """The MXFP4 GEMM on Blackwell's FP4 tensor cores (``gemm_engine=native``, experimental: not yet run on a
-B200). The same operands as ``kernels.mxfp4.mxfp4_gemm`` (``MXFP4Tensor``, blocked along K), the same product:
+B200). The same operands as ``nvfp4_train.kernels.mxfp4.mxfp4_gemm`` (``MXFP4Tensor``, blocked along K), the same product:
 
     C[M, N] = sum_k (qa[m, k] * 2^(sa[m, k // 32] - 127)) * (qb[n, k] * 2^(sb[n, k // 32] - 127))
 
@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp4_layout import as_float4_x2, to_blocked
-from kernels.fp4_native import check_native_fp4
-from kernels.mxfp4.reference import BLOCK, MXFP4Tensor, e8m0_to_float32
-from kernels.nvfp4.native import _OUT_DTYPES, _decode_operand, check_native_shapes
+from nvfp4_train.kernels.fp4_layout import as_float4_x2, to_blocked
+from nvfp4_train.kernels.fp4_native import check_native_fp4
+from nvfp4_train.kernels.mxfp4.reference import BLOCK, MXFP4Tensor, e8m0_to_float32
+from nvfp4_train.kernels.nvfp4.native import _OUT_DTYPES, _decode_operand, check_native_shapes
 
 __all__ = ["mxfp4_gemm_native", "mxfp4_native_args", "emulate_mxfp4_scaled_mm"]
 

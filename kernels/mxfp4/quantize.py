@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import (
+from nvfp4_train.kernels.fp4_triton import (
     as_kernel_input,
     e2m1_round_nearest,
     e2m1_round_stochastic,
@@ -32,7 +32,7 @@ from kernels.fp4_triton import (
     random_bits8,
     u32,
 )
-from kernels.fp4_layout_triton import scale_buffer, scale_offset
+from nvfp4_train.kernels.fp4_layout_triton import scale_buffer, scale_offset
 
 FLT_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126
 
@@ -143,7 +143,7 @@ def quantize_mxfp4_rowcol_triton(
     num_warps: int = 4,
     swizzled: bool = False,
 ):
-    """Launch the fused kernel. Inputs are validated by the caller (``kernels.mxfp4``). ``swizzled``: both
+    """Launch the fused kernel. Inputs are validated by the caller (``nvfp4_train.kernels.mxfp4``). ``swizzled``: both
     copies' scales as the 1-D buffers of the native GEMM's 128x4-tile layout (``kernels/fp4_layout.py``),
     written by the same stores at other addresses; zero padding.
 

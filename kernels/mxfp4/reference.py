@@ -30,7 +30,7 @@ Non-finite policy: a block holding any NaN or +-Inf gets the E8M0 NaN scale 0xFF
 so dequantization (and any GEMM) of that block gives NaN. Other blocks are unaffected.
 
 Stochastic rounding uses 8 random bits per element from the shared counter-based hash
-(``kernels.fp4_reference.random_bits8``) of the element's linear index in the tensor being quantized.
+(``nvfp4_train.kernels.fp4_reference.random_bits8``) of the element's linear index in the tensor being quantized.
 
 Dequantization: ``e2m1(q) * 2^X`` in fp32, exact (2^-127 * 0.5 = 2^-128 is still an fp32 subnormal).
 
@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import check_2d_float
-from kernels.fp4_layout import from_blocked, to_blocked
-from kernels.fp4_reference import (
+from nvfp4_train.kernels._checks import check_2d_float
+from nvfp4_train.kernels.fp4_layout import from_blocked, to_blocked
+from nvfp4_train.kernels.fp4_reference import (
     e2m1_decode,
     e2m1_round_nearest,
     e2m1_round_stochastic,

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._dispatch import use_triton
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
-from kernels.fp4_reference import seed_key
-from kernels.nvfp4.reference import (
+from nvfp4_train.kernels._dispatch import use_triton
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
+from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.nvfp4.reference import (
     BLOCK,
     NVFP4Tensor,
     check_amax,
@@ -62,14 +62,14 @@ _TRITON_MODULES = None
 
 
 def _triton():
-    """The Triton launchers' modules ``kernels.nvfp4.quantize`` and ``kernels.nvfp4.gemm`` as one namespace,
+    """The Triton launchers' modules ``nvfp4_train.kernels.nvfp4.quantize`` and ``nvfp4_train.kernels.nvfp4.gemm`` as one namespace,
     imported on first use (the reference path runs without Triton): one global lookup per call on the hot path
     instead of an import statement."""
     global _TRITON_MODULES
     if _TRITON_MODULES is None:
         import types
 
-        from kernels.nvfp4 import gemm, quantize
+        from nvfp4_train.kernels.nvfp4 import gemm, quantize
 
         _TRITON_MODULES = types.SimpleNamespace(quantize=quantize, gemm=gemm)
     return _TRITON_MODULES
@@ -99,7 +99,7 @@ def quantize_nvfp4(
     if not use_triton(x):
         return quantize_nvfp4_ref(x, block_2d=block_2d, rht=rht, stochastic=stochastic, seed=seed, amax=amax,
                                   swizzled=swizzled)
-    from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
+    from nvfp4_train.kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
 
     key = seed_key(seed)
     if rht and block_2d:
@@ -163,7 +163,7 @@ def nvfp4_amax(x: torch.Tensor, col_rht: bool = False) -> torch.Tensor:
         raise ValueError(f"the Hadamard transform mixes {BLOCK} rows; x has {x.shape[0]}")
     if not use_triton(x):
         return nvfp4_amax_ref(x, col_rht)
-    from kernels.nvfp4.quantize import amax_triton
+    from nvfp4_train.kernels.nvfp4.quantize import amax_triton
 
     return amax_triton(x, col_rht)
 
@@ -186,7 +186,7 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bf
     if engine == "auto" or engine == "native":
         engine = resolve_gemm_engine(engine, a.codes.device)
     if engine == "native":
-        from kernels.nvfp4.native import nvfp4_gemm_native
+        from nvfp4_train.kernels.nvfp4.native import nvfp4_gemm_native
 
         return nvfp4_gemm_native(a, b, out_dtype=out_dtype)
     if a.swizzled or b.swizzled:

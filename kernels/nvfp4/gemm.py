@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp4_gemm import GemmConfig, check_gemm_engine, predequant_fp4_gemm
-from kernels.nvfp4.reference import BLOCK, NVFP4Tensor, nvfp4_alpha
+from nvfp4_train.kernels.fp4_gemm import GemmConfig, check_gemm_engine, predequant_fp4_gemm
+from nvfp4_train.kernels.nvfp4.reference import BLOCK, NVFP4Tensor, nvfp4_alpha
 
 __all__ = ["nvfp4_gemm_predequant"]
 

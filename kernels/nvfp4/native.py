@@ -1,5 +1,5 @@
 """The NVFP4 GEMM on Blackwell's FP4 tensor cores (``gemm_engine=native``, experimental: not yet run on a
-B200). The same operands as ``kernels.nvfp4.nvfp4_gemm`` (``NVFP4Tensor``, blocked along K), the same product:
+B200). The same operands as ``nvfp4_train.kernels.nvfp4.nvfp4_gemm`` (``NVFP4Tensor``, blocked along K), the same product:
 
     C[M, N] = alpha * sum_k (qa[m, k] * sa[m, k // 16]) * (qb[n, k] * sb[n, k // 16])
     alpha   = (amax_A / 2688) * (amax_B / 2688)                       (``nvfp4_alpha``)
@@ -42,10 +42,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp4_layout import as_float4_x2, from_blocked, to_blocked
-from kernels.fp4_native import check_native_fp4, native_fp4_supported  # noqa: F401 (kernels.gemm_engine reads it here)
-from kernels.fp4_reference import e2m1_decode, unpack_nibbles
-from kernels.nvfp4.reference import BLOCK, NVFP4Tensor, decode_scale
+from nvfp4_train.kernels.fp4_layout import as_float4_x2, from_blocked, to_blocked
+from nvfp4_train.kernels.fp4_native import check_native_fp4, native_fp4_supported  # noqa: F401 (nvfp4_train.kernels.gemm_engine reads it here)
+from nvfp4_train.kernels.fp4_reference import e2m1_decode, unpack_nibbles
+from nvfp4_train.kernels.nvfp4.reference import BLOCK, NVFP4Tensor, decode_scale
 
 __all__ = ["nvfp4_gemm_native", "nvfp4_native_args", "emulate_nvfp4_scaled_mm", "check_native_shapes"]
 

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_triton import (
+from nvfp4_train.kernels.fp4_triton import (
     as_kernel_input,
     cdiv,
     e2m1_code_rne_lowbyte,
@@ -56,7 +56,7 @@ from kernels.fp4_triton import (
     round_to_bf16,
     round_to_bf16_x2,
 )
-from kernels.fp4_layout_triton import scale_buffer, scale_offset
+from nvfp4_train.kernels.fp4_layout_triton import scale_buffer, scale_offset
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -656,7 +656,7 @@ def quantize_nvfp4_rowcol_triton(
     amax_cfg: dict | None = None,
     swizzled: bool = False,
 ):
-    """Launch the fused kernels. Inputs are validated by the caller (``kernels.nvfp4``).
+    """Launch the fused kernels. Inputs are validated by the caller (``nvfp4_train.kernels.nvfp4``).
 
     ``block_m``, ``block_k``, ``num_warps`` and ``maxnreg`` (a register cap per thread) override the quantize
     pass's launch (default ``QUANTIZE_CONFIG``), ``amax_cfg`` the amax pass's (``AMAX_CONFIG``; its ``per_sm``

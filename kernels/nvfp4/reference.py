@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import check_2d_float
-from kernels.fp4_layout import from_blocked, to_blocked
-from kernels.fp4_reference import (
+from nvfp4_train.kernels._checks import check_2d_float
+from nvfp4_train.kernels.fp4_layout import from_blocked, to_blocked
+from nvfp4_train.kernels.fp4_reference import (
     FLT_MAX,
     RHT_SIGNS,
     e2m1_decode,

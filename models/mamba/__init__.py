@@ -1,11 +1,11 @@
 """Mamba-2 numerics for the hybrid model's mixer: the SSD scan, causal conv, gated RMSNorm, initialisation.
 
-The ops (``models.mamba.ops``) run mamba-ssm's / causal-conv1d's kernels on CUDA when those optional
-packages import (``models.mamba._import``), and pure-PyTorch float32 versions otherwise
-(``models.mamba.ssd`` for the scan).
+The ops (``nvfp4_train.models.mamba.ops``) run mamba-ssm's / causal-conv1d's kernels on CUDA when those optional
+packages import (``nvfp4_train.models.mamba._import``), and pure-PyTorch float32 versions otherwise
+(``nvfp4_train.models.mamba.ssd`` for the scan).
 """
 
-from models.mamba.ops import (
+from nvfp4_train.models.mamba.ops import (
     causal_conv1d,
     causal_conv1d_ref,
     init_A_log,
@@ -15,7 +15,7 @@ from models.mamba.ops import (
     rmsnorm_gated_ref,
     ssd_scan,
 )
-from models.mamba.ssd import ssd_chunked_scan, ssd_sequential_ref
+from nvfp4_train.models.mamba.ssd import ssd_chunked_scan, ssd_sequential_ref
 
 __all__ = [
     "ssd_scan",

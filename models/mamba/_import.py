@@ -2,7 +2,7 @@
 
 Both packages are optional (the ``gpu`` extra). Each loader returns ``(ops, reason)``: ``ops`` is a small
 frozen record of the functions we call, or ``None`` with ``reason`` saying why, so that callers fall back
-to the pure-PyTorch paths in :mod:`models.mamba.ssd` and :mod:`models.mamba.ops`.
+to the pure-PyTorch paths in :mod:`nvfp4_train.models.mamba.ssd` and :mod:`nvfp4_train.models.mamba.ops`.
 
 mamba-ssm built as a pure-Python wheel (``MAMBA_SKIP_CUDA_BUILD=TRUE``, how ``scripts/wheelhouse.sh`` builds
 it) lacks its Mamba-1 CUDA extension ``selective_scan_cuda``, yet the package ``__init__`` imports that
@@ -86,7 +86,7 @@ def load_mamba_ssm() -> tuple[MambaSSMOps | None, str]:
         pkg = importlib.util.module_from_spec(spec)  # the real package object, its __init__ not executed
         pkg.__version__ = _version("mamba-ssm")  # megatron-core's version check reads it
         pkg.__doc__ = (
-            "mamba-ssm registered by models.mamba._import without running its __init__ (which needs the "
+            "mamba-ssm registered by nvfp4_train.models.mamba._import without running its __init__ (which needs the "
             "Mamba-1 CUDA extension); only submodules such as mamba_ssm.ops.triton.* are usable."
         )
         sys.modules[_MAMBA_PKG] = pkg

@@ -17,7 +17,7 @@ Computation on ``[s, b, h]`` (megatron's sequence-first layout)::
     y          = gated_rmsnorm(y, z)              # rmsnorm(y * silu(z)) * w, per B/C group
     out        = out_proj(y)                      # quantized GEMM
 
-The ops (``models.mamba.ops``) run mamba-ssm's Triton SSD kernels and causal-conv1d's CUDA kernel on GPU
+The ops (``nvfp4_train.models.mamba.ops``) run mamba-ssm's Triton SSD kernels and causal-conv1d's CUDA kernel on GPU
 when installed, and pure-PyTorch float32 versions on CPU.
 """
 
@@ -34,8 +34,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from models.layers import param_device
-from models.mamba.ops import causal_conv1d, init_A_log, init_D, init_dt_bias, rmsnorm_gated, ssd_scan
+from nvfp4_train.models.layers import param_device
+from nvfp4_train.models.mamba.ops import causal_conv1d, init_A_log, init_D, init_dt_bias, rmsnorm_gated, ssd_scan
 
 __all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaLayer", "MambaLayerSubmodules"]
 

@@ -1,13 +1,13 @@
 """The Mamba-2 mixer's numerics: SSD scan, causal depthwise conv, gated RMSNorm, parameter initialisation.
 
 Each op runs the optional CUDA/Triton kernel when its input is on a CUDA device and the package imports
-(see :mod:`models.mamba._import`), and otherwise a pure-PyTorch version with the same semantics that
+(see :mod:`nvfp4_train.models.mamba._import`), and otherwise a pure-PyTorch version with the same semantics that
 computes in float32 and returns the input's dtype:
 
 ==================  ==========================================  ==========================================
 op                  CUDA (optional package)                     fallback (any device)
 ==================  ==========================================  ==========================================
-``ssd_scan``        mamba-ssm ``mamba_chunk_scan_combined``     :func:`models.mamba.ssd.ssd_chunked_scan`
+``ssd_scan``        mamba-ssm ``mamba_chunk_scan_combined``     :func:`nvfp4_train.models.mamba.ssd.ssd_chunked_scan`
 ``causal_conv1d``   causal-conv1d ``causal_conv1d_fn``          :func:`causal_conv1d_ref`
 ``rmsnorm_gated``   mamba-ssm ``layernorm_gated.rmsnorm_fn``    :func:`rmsnorm_gated_ref`
 ==================  ==========================================  ==========================================
@@ -29,8 +29,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from models.mamba._import import load_causal_conv1d, load_mamba_ssm
-from models.mamba.ssd import ssd_chunked_scan
+from nvfp4_train.models.mamba._import import load_causal_conv1d, load_mamba_ssm
+from nvfp4_train.models.mamba.ssd import ssd_chunked_scan
 
 __all__ = [
     "ssd_scan",
@@ -73,7 +73,7 @@ def ssd_scan(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2's SSD scan: x [b, l, h, p], dt [b, l, h], A [h], B/C [b, l, g, n] -> out [b, l, h, p].
 
-    Semantics in :mod:`models.mamba.ssd`; arguments as mamba-ssm's ``mamba_chunk_scan_combined`` (without
+    Semantics in :mod:`nvfp4_train.models.mamba.ssd`; arguments as mamba-ssm's ``mamba_chunk_scan_combined`` (without
     packed-sequence ``seq_idx`` / ``cu_seqlens``). On CUDA with mamba-ssm importable this is mamba-ssm's
     Triton kernel, else the float32 PyTorch chunked scan. The kernel accumulates in fp32 but rounds its
     intermediates (dot operands, passed states) to the inputs' dtype, runs tl.dot on fp32 inputs in TF32,

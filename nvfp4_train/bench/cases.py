@@ -37,8 +37,8 @@ def build_case(case: str, recipe: str, seq: int | None = None, mb: int | None = 
     of the step benchmark, the op census and the saved-tensor census."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.build import build_model, transformer_config
-    from models.config import model_config
+    from nvfp4_train.models.build import build_model, transformer_config
+    from nvfp4_train.models.config import model_config
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
     size, overrides, case_seq, case_mb, all_q = CASES[case]

@@ -38,8 +38,8 @@ def _build(size: str):
     """(ddp, optimizer, model config) after one optimizer step on random gradients."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.build import build_model, transformer_config
-    from models.config import model_config
+    from nvfp4_train.models.build import build_model, transformer_config
+    from nvfp4_train.models.config import model_config
     from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
@@ -106,7 +106,7 @@ def _table(title: str, timings: dict[str, float], nbytes: int) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small", help="a models.config size: tiny, small, 125m, 1.2b, ...")
+    ap.add_argument("--model", default="small", help="a nvfp4_train.models.config size: tiny, small, 125m, 1.2b, ...")
     ap.add_argument("--out", type=Path, help="checkpoint root, new or empty (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint (default: removed at the end)")
     ap.add_argument("--optim-format", default="fully_reshardable", choices=["fully_reshardable", "dp_reshardable"])

@@ -30,7 +30,7 @@ from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("launch_inventory: run with TRITON_INTERPRET=1 (the flag is read when triton is imported)")
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES
 from nvfp4_train.bench.host import measure, print_op_counts
 
 

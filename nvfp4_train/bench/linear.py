@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES
 
 RECIPES = ("bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4")
 M_TOKENS = 8192
@@ -224,7 +224,7 @@ def profile_one(layer, x, dy, iters: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-# the recipes whose GEMM is kernels.nvfp4.nvfp4_gemm (the engine switch applies to them)
+# the recipes whose GEMM is nvfp4_train.kernels.nvfp4.nvfp4_gemm (the engine switch applies to them)
 ENGINE_RECIPES = ("nvfp4",)
 
 

@@ -158,14 +158,14 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=50, help="rows to print (most elements * launches first)")
     ap.add_argument("--ops", nargs="*", help="only these aten ops, e.g. mul copy_ _to_copy cat")
     ap.add_argument("--composite-norm", action="store_true",
-                    help="the blocks' RMSNorm as models.layers.rms_norm_composite (the code the H200 "
+                    help="the blocks' RMSNorm as nvfp4_train.models.layers.rms_norm_composite (the code the H200 "
                          "profile of 2026-11-29 ran) instead of F.rms_norm; only for this census")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.composite_norm:
-        import models.layers
+        import nvfp4_train.models.layers
 
-        models.layers.rms_norm = models.layers.rms_norm_composite
+        nvfp4_train.models.layers.rms_norm = nvfp4_train.models.layers.rms_norm_composite
     with tempfile.TemporaryDirectory(prefix="op_census_") as tmp:
         step, trainer = build_step(a.case, a.recipe, a.seq, a.micro_batch, Path(tmp))
         with trainer:

@@ -89,7 +89,7 @@ class _ScanAsMambaSSM(_StandIn):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus):
-        from models.mamba.ssd import ssd_chunked_scan
+        from nvfp4_train.models.mamba.ssd import ssd_chunked_scan
 
         with torch.no_grad():
             out = ssd_chunked_scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus)
@@ -104,7 +104,7 @@ class _ConvAsCausalConv1d(_StandIn):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
-        from models.mamba.ops import causal_conv1d_ref
+        from nvfp4_train.models.mamba.ops import causal_conv1d_ref
 
         if x.stride(2) != 1 and x.stride(1) != 1:
             x = x.contiguous()
@@ -119,7 +119,7 @@ class _GatedNormAsMambaSSM(_StandIn):
 
     @staticmethod
     def forward(ctx, x, z, weight, eps, group_size, norm_before_gate):
-        from models.mamba.ops import rmsnorm_gated_ref
+        from nvfp4_train.models.mamba.ops import rmsnorm_gated_ref
 
         with torch.no_grad():
             out = rmsnorm_gated_ref(x, z, weight, eps, group_size, norm_before_gate)
@@ -150,9 +150,9 @@ class _RMSNormAsFused(_StandIn):
 def install_gpu_stand_ins(gpu_conv: str = "kernel") -> None:
     """Route the mixer's scan, conv, gated norm and the block RMSNorm through the stand-ins above (this process
     only): the names the mixer and RMSNorm look up at call time are replaced."""
-    import models.layers
-    import models.mamba.mixer as mixer
-    from models.mamba.ops import causal_conv1d_ref
+    import nvfp4_train.models.layers
+    import nvfp4_train.models.mamba.mixer as mixer
+    from nvfp4_train.models.mamba.ops import causal_conv1d_ref
 
     def ssd_scan(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_softplus=False, **kw):
         assert z is None and not kw, "the mixer calls the scan without z, initial or final states"
@@ -169,13 +169,13 @@ def install_gpu_stand_ins(gpu_conv: str = "kernel") -> None:
     def gated(x, z, weight, eps=1e-5, group_size=None, norm_before_gate=False):
         return _GatedNormAsMambaSSM.apply(x, z, weight, eps, group_size, norm_before_gate)
 
-    composite = models.layers.rms_norm_composite
+    composite = nvfp4_train.models.layers.rms_norm_composite
 
     def rms_norm(x, weight, eps):
         return _RMSNormAsFused.apply(x, weight, eps) if weight.dtype == x.dtype else composite(x, weight, eps)
 
     mixer.ssd_scan, mixer.causal_conv1d, mixer.rmsnorm_gated = ssd_scan, conv, gated
-    models.layers.rms_norm = rms_norm
+    nvfp4_train.models.layers.rms_norm = rms_norm
 
 
 # ------------------------------------------------------------------------------------------------ census

@@ -26,7 +26,7 @@ hook), less the weight cache's quantized copies made in that forward (reported a
 without backward's transients (gradients, GEMM workspaces, dequantized operands), which the peak holds. Each
 case starts after a garbage collection: the previous case's model and optimizer form
 reference cycles through megatron's hooks and would otherwise stay allocated.
-MFU = model FLOPs per token (``models.flops``) x tokens/s / 989.4 TFLOP/s (H200 dense BF16 peak; Hopper has
+MFU = model FLOPs per token (``nvfp4_train.models.flops``) x tokens/s / 989.4 TFLOP/s (H200 dense BF16 peak; Hopper has
 no FP4 tensor cores, so BF16 peak is the ceiling for every recipe here).
 
 ``--profile DIR``: after the measurements above, each case and recipe runs ONE more full training step under
@@ -93,8 +93,8 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
     more ``train.py`` overrides (they win)."""
     if nonfinite_check not in NONFINITE_CHECK_MODES:
         raise ValueError(f"nonfinite_check={nonfinite_check!r} is not one of {', '.join(NONFINITE_CHECK_MODES)}")
-    from models.config import count_parameters
-    from models.flops import training_flops_per_token
+    from nvfp4_train.models.config import count_parameters
+    from nvfp4_train.models.flops import training_flops_per_token
     from nvfp4_train.precision.megatron_linear import quant_layers
     from nvfp4_train.precision.operand import operand_nbytes
     from nvfp4_train.trainer import _unwrap

@@ -181,7 +181,7 @@ def check_run(cfg, world_size: int) -> None:
                              f"rank holds whole heads/groups; choose a tp that divides it")
     if cfg.experiment.model_provider is not None:
         return  # another model: what its layers and megatron config need is its provider's to check
-    from models.build import transformer_config
+    from nvfp4_train.models.build import transformer_config
 
     transformer_config(m, tp=par.tp, pp=par.pp, sequence_parallel=par.sequence_parallel)
     tokens = sc.micro_batch_size * cfg.data.seq_length

@@ -20,7 +20,7 @@ class ExperimentConfig:
     """Seed of the model initialisation and every RNG (the data order has its own ``data.seed``)."""
     model_provider: str | None = None
     """``module:function``; ``function(cfg)`` returns ``provider(pre_process, post_process) -> module``.
-    None: ``models.build.build_model`` (the hybrid model). Tests use a megatron GPTModel stand-in."""
+    None: ``nvfp4_train.models.build.build_model`` (the hybrid model). Tests use a megatron GPTModel stand-in."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -38,7 +38,7 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         if self.gemm_engine == DEFAULT_GEMM_ENGINE:
             return
-        from kernels.gemm_engine import GEMM_ENGINES  # only for another engine: the table imports no kernels
+        from nvfp4_train.kernels.gemm_engine import GEMM_ENGINES  # only for another engine: the table imports no kernels
 
         if self.gemm_engine not in GEMM_ENGINES:
             raise ValueError(f"precision.gemm_engine={self.gemm_engine!r} is not one of {GEMM_ENGINES} "

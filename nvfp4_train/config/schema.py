@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from models.config import ModelConfig
+from nvfp4_train.models.config import ModelConfig
 from nvfp4_train.checkpoint import CheckpointConfig
 from nvfp4_train.config.experiment import ExperimentConfig
 from nvfp4_train.config.precision import PrecisionConfig

@@ -25,7 +25,7 @@ and run once (``bias`` = ``err`` = ``err_seed0``, ``bias_noise`` = 0). Every sum
 device; the host reads the numbers once per (batch, recipe). Errors are end to end: a layer's gradient also
 carries the quantization of the layers after it (backward) and before it (forward).
 
-The summary (:func:`summarize`) averages, per recipe and layer class (``kernels.sr_key.ROLE_SLOTS``), the
+The summary (:func:`summarize`) averages, per recipe and layer class (``nvfp4_train.kernels.sr_key.ROLE_SLOTS``), the
 layers the recipe quantizes (the ``bf16`` recipe, which quantizes none: every layer, the measurement's own
 floor), first per batch, then over the batches: the standard error is the sample standard deviation of the
 per-batch means over the batches divided by sqrt(batches).
@@ -75,7 +75,7 @@ class LayerInfo:
     name: str
     """The layer's name (``blocks.12.mlp.fc1``)."""
     layer_class: str
-    """Its role, the layer class of the tables (``mlp.fc1``, a key of ``kernels.sr_key.ROLE_SLOTS``)."""
+    """Its role, the layer class of the tables (``mlp.fc1``, a key of ``nvfp4_train.kernels.sr_key.ROLE_SLOTS``)."""
     block: int
     """Its global block index."""
 
@@ -496,7 +496,7 @@ def _load(args):
     from nvfp4_train.evaluate import load_model
 
     if args.init_only:
-        from models.config import SIZES
+        from nvfp4_train.models.config import SIZES
         from nvfp4_train.export.checkpoint_io import build_model_single
 
         if args.init_only not in SIZES:

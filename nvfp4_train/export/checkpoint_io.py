@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
+from nvfp4_train.models.config import ModelConfig
 
 __all__ = ["RunInfo", "read_run_info", "build_model_single", "load_checkpoint_model", "write_training_checkpoint",
            "shape_problems"]
@@ -82,7 +82,7 @@ def build_model_single(model_cfg: ModelConfig, *, recipe: str = "bf16", dtype: t
     """The hybrid model at TP = PP = 1 in this process (world size 1), parameters in ``dtype`` on the CPU,
     every linear layer running ``recipe`` (or the given ``layer_map``). Weights are megatron's random init:
     load a state dict into it."""
-    from models.build import build_model, transformer_config
+    from nvfp4_train.models.build import build_model, transformer_config
     from nvfp4_train.parallel.setup import init_single_process
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
 

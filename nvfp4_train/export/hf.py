@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
-from models.pattern import ATTENTION, MAMBA, MLP
+from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.pattern import ATTENTION, MAMBA, MLP
 
 __all__ = ["MODEL_TYPE", "hf_config", "model_config_from_hf", "to_hf_state", "from_hf_state", "save_hf",
            "load_hf", "export_hf", "import_hf", "ARCHITECTURE_FIELDS"]
@@ -382,7 +382,7 @@ def import_hf(folder: str | Path, out: str | Path, *, model: str | None = None,
     ``model``: one of our sizes (``12b``, ...) the folder must match on every architecture field; the
     checkpoint then records that size's config (so ``train.py model=12b`` resumes it). Without it the config is
     derived from config.json (name ``hf``)."""
-    from models.config import model_config
+    from nvfp4_train.models.config import model_config
     from nvfp4_train.export.checkpoint_io import write_training_checkpoint
 
     config, tensors = load_hf(folder)

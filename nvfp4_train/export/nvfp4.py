@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
-from models.pattern import ATTENTION, MAMBA
+from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.pattern import ATTENTION, MAMBA
 
 __all__ = ["NVFP4Layer", "nvfp4_layers", "quantize_weight", "dequantize_exported", "to_nvfp4_state",
            "calibrate_input_amax", "export_nvfp4", "QUANT_CONFIG_NAME", "GROUP_SIZE"]
@@ -91,8 +91,8 @@ def nvfp4_layers(model_cfg: ModelConfig, layer_map, state: dict[str, torch.Tenso
 
 
 def quantize_weight(w: torch.Tensor, block_2d: bool):
-    """The training's quantization of a weight for the forward GEMM (``kernels.nvfp4``: RNE, no RHT)."""
-    from kernels.nvfp4 import quantize_nvfp4
+    """The training's quantization of a weight for the forward GEMM (``nvfp4_train.kernels.nvfp4``: RNE, no RHT)."""
+    from nvfp4_train.kernels.nvfp4 import quantize_nvfp4
 
     return quantize_nvfp4(w, block_2d=block_2d)
 
@@ -100,7 +100,7 @@ def quantize_weight(w: torch.Tensor, block_2d: bool):
 def dequantize_exported(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """An inference engine's reading of an exported layer: ``e2m1(code) * fp32(weight_scale) * weight_scale_2``
     as float32 [N, K]."""
-    from kernels.fp4_reference import e2m1_decode, unpack_nibbles
+    from nvfp4_train.kernels.fp4_reference import e2m1_decode, unpack_nibbles
 
     n, k = weight.shape[0], weight.shape[1] * 2
     vals = e2m1_decode(unpack_nibbles(weight)).view(n, k // GROUP_SIZE, GROUP_SIZE)
@@ -119,7 +119,7 @@ def to_nvfp4_state(model_cfg: ModelConfig, layers: list[NVFP4Layer], state: dict
                    input_amax: dict[str, torch.Tensor], *, padded: str = "error") -> tuple[dict, list[str]]:
     """(Hugging Face tensors, excluded module names): the NVFP4-trained layers in the ModelOpt layout, the rest
     in BF16. ``input_amax``: the calibrated amax of each NVFP4 layer's input, by ``NVFP4Layer.name``."""
-    from kernels.nvfp4.reference import decode_scale
+    from nvfp4_train.kernels.nvfp4.reference import decode_scale
     from nvfp4_train.export.hf import to_hf_state
 
     if padded not in PADDED_POLICIES:

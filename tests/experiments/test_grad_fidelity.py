@@ -20,7 +20,7 @@ SEQ, MB = 32, 2  # 64 tokens: a multiple of nvfp4's 16 and mxfp4's 32 token bloc
 
 @pytest.fixture(scope="module")
 def model():
-    from models.config import SIZES
+    from nvfp4_train.models.config import SIZES
     from nvfp4_train.export.checkpoint_io import build_model_single
 
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from models.config import model_config
+from nvfp4_train.models.config import model_config
 from nvfp4_train.export.hf import (ARCHITECTURE_FIELDS, from_hf_state, hf_config, model_config_from_hf,
                                    to_hf_state)
 from tests.export.conftest import HYBRID_TINY

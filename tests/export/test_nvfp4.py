@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kernels.nvfp4 import dequantize_nvfp4
-from kernels.nvfp4.reference import decode_scale
+from nvfp4_train.kernels.nvfp4 import dequantize_nvfp4
+from nvfp4_train.kernels.nvfp4.reference import decode_scale
 from nvfp4_train.export.nvfp4 import dequantize_exported, quantize_weight
 from nvfp4_train.precision.operand import cast_one
 from nvfp4_train.precision.recipe import named_recipe
@@ -53,7 +53,7 @@ def test_exported_weight_is_the_trained_weight_bitwise(gen, n, k):
 
 
 def test_qkv_rows_split_keeps_each_rows_values(gen):
-    from models.config import model_config
+    from nvfp4_train.models.config import model_config
     from nvfp4_train.export.hf import _qkv_rows
 
     mc = model_config("tiny")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8 import (
+from nvfp4_train.kernels.fp8 import (
     FP8Tensor,
     dequantize_fp8,
     fp8_amax,
@@ -24,8 +24,8 @@ from kernels.fp8 import (
     quantize_fp8_tensorwise,
     transpose_fp8,
 )
-from kernels.fp8.gemm import native_blockwise_pair, scale_128x128_operand, scale_1x128_operand
-from kernels.fp8.reference import (
+from nvfp4_train.kernels.fp8.gemm import native_blockwise_pair, scale_128x128_operand, scale_1x128_operand
+from nvfp4_train.kernels.fp8.reference import (
     dequantize_fp8_ref,
     fp8_gemm_ref,
     m_major,
@@ -527,7 +527,7 @@ def test_rowwise_per_kblock_fallback_logic_on_cpu(gen, pair):
 def test_backend_probe_falls_back_with_a_warning(gen):
     """The capability probe: a form torch refuses (blockwise scaling on CPU) is reported unusable, with a
     warning naming it, and the answer is cached."""
-    from kernels.fp8 import gemm as G
+    from nvfp4_train.kernels.fp8 import gemm as G
 
     key = ("scaled_mm_blockwise", "cpu", "1x128", "128x128", "test", torch.bfloat16)
     G._probe_cache.pop(key, None)

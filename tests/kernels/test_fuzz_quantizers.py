@@ -47,12 +47,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.fp4_reference import unpack_nibbles
-from kernels.fp8 import dequantize_fp8, fp8_amax, quantize_fp8, quantize_fp8_rowcol
-from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4, quantize_mxfp4_rowcol
-from kernels.mxfp4.reference import e8m0_to_float32
-from kernels.nvfp4 import dequantize_nvfp4, nvfp4_amax, quantize_nvfp4, quantize_nvfp4_rowcol
-from kernels.nvfp4.reference import hadamard16_matrix
+from nvfp4_train.kernels.fp4_reference import unpack_nibbles
+from nvfp4_train.kernels.fp8 import dequantize_fp8, fp8_amax, quantize_fp8, quantize_fp8_rowcol
+from nvfp4_train.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4, quantize_mxfp4_rowcol
+from nvfp4_train.kernels.mxfp4.reference import e8m0_to_float32
+from nvfp4_train.kernels.nvfp4 import dequantize_nvfp4, nvfp4_amax, quantize_nvfp4, quantize_nvfp4_rowcol
+from nvfp4_train.kernels.nvfp4.reference import hadamard16_matrix
 
 FLT_MAX = torch.finfo(torch.float32).max
 DTYPES = (torch.float32, torch.bfloat16)
@@ -299,7 +299,7 @@ def test_supplied_amax_must_be_one_number(amax):
         quantize_nvfp4_rowcol(x, col_amax=amax)
     with pytest.raises(ValueError, match=r"amax must be a one-element tensor .*fp8_amax\(x\)\), got"):
         quantize_fp8(x, amax=amax)
-    from kernels.fp8 import quantize_fp8_tensorwise
+    from nvfp4_train.kernels.fp8 import quantize_fp8_tensorwise
 
     with pytest.raises(ValueError, match=r"amax must be a one-element tensor"):
         quantize_fp8_tensorwise(x, amax=amax)
@@ -377,7 +377,7 @@ def test_nvfp4_rht_round_trip_in_l2_per_group(case, stochastic, data):
     bound = b.reshape(-1, 16).norm(dim=1) + rel * x64.reshape(-1, 16).norm(dim=1) + 1e-300
     assert (err <= bound * (1 + 2.0**-40)).all()
     # the documented definition: RHT then plain quantization of the mixed values in the input dtype
-    from kernels.nvfp4 import hadamard16_ref
+    from nvfp4_train.kernels.nvfp4 import hadamard16_ref
 
     plain = quantize_nvfp4(hadamard16_ref(x).to(x.dtype), stochastic=stochastic, seed=seed)
     assert torch.equal(q.codes, plain.codes) and torch.equal(q.scales.view(torch.uint8), plain.scales.view(torch.uint8))
@@ -427,7 +427,7 @@ def test_nvfp4_nonfinite_policy(case, data, mode):
 def test_nvfp4_rht_overflow_is_nonfinite(dtype):
     """Finite input whose Hadamard mix overflows: 16 values 3e38 * s_i mix to 16/4 * 3e38 = 1.2e39 = +Inf in
     the first output, so the policy's "non-finite after mixing" applies: all NaN. Unmixed, it is finite."""
-    from kernels.nvfp4.reference import RHT_SIGNS
+    from nvfp4_train.kernels.nvfp4.reference import RHT_SIGNS
 
     x = torch.randn(16, 32).to(dtype)
     x[3, 16:] = (torch.tensor(RHT_SIGNS, dtype=torch.float32) * 3e38).to(dtype)
@@ -528,7 +528,7 @@ def fp8_cases(draw, log2_range=(-100, 100), blocks=FP8_BLOCKS):
 
 def fp8_encode_scale(q) -> torch.Tensor:
     """s = 1 / scale_inv per element, float64 (scale_inv = 1/s correctly rounded, so this is s to 2^-24)."""
-    from kernels.fp8.reference import expand_scale_inv
+    from nvfp4_train.kernels.fp8.reference import expand_scale_inv
 
     return 1.0 / expand_scale_inv(q).to(torch.float64)
 
@@ -552,7 +552,7 @@ def test_fp8_round_trip_bound_and_idempotence(cb):
         assert fp8_amax(x).item() == x64.abs().max().item()
     # idempotence: the same codes in every block whose amax is >= 2^-100 (away from the clamped s), scale_inv
     # to 2^-22 relative
-    from kernels.fp8.reference import expand_scale_inv
+    from nvfp4_train.kernels.fp8.reference import expand_scale_inv
 
     q2 = quantize_fp8(dequantize_fp8(q), block=block)
     sinv, sinv2 = expand_scale_inv(q).to(torch.float64), expand_scale_inv(q2).to(torch.float64)
@@ -613,7 +613,7 @@ def maybe_nonfinite(case: Case, nonfinite: bool, data) -> torch.Tensor:
 @given(case=small(16, 16), nonfinite=st.booleans(), data=st.data(),
        mode=st.sampled_from(NVFP4_MODES[:4] + (dict(rht=True, stochastic=True, seed=9),)))
 def test_triton_nvfp4_matches_reference(triton_device, case, nonfinite, data, mode):
-    from kernels.nvfp4.reference import quantize_nvfp4_ref
+    from nvfp4_train.kernels.nvfp4.reference import quantize_nvfp4_ref
 
     x = maybe_nonfinite(case, nonfinite, data)
     got = quantize_nvfp4(x.to(triton_device), **mode)
@@ -627,7 +627,7 @@ def test_triton_nvfp4_matches_reference(triton_device, case, nonfinite, data, mo
 @TRITON_FUZZ
 @given(case=small(16, 16), nonfinite=st.booleans(), data=st.data(), col_rht=st.booleans())
 def test_triton_nvfp4_rowcol_matches_reference(triton_device, case, nonfinite, data, col_rht):
-    from kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref
+    from nvfp4_train.kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref
 
     x = maybe_nonfinite(case, nonfinite, data)
     got = quantize_nvfp4_rowcol(x.to(triton_device), col_rht=col_rht, col_stochastic=True, col_seed=5)
@@ -642,7 +642,7 @@ def test_triton_nvfp4_rowcol_matches_reference(triton_device, case, nonfinite, d
 @TRITON_FUZZ
 @given(case=small(32, 32), nonfinite=st.booleans(), data=st.data(), stochastic=st.booleans())
 def test_triton_mxfp4_matches_reference(triton_device, case, nonfinite, data, stochastic):
-    from kernels.mxfp4.reference import quantize_mxfp4_ref
+    from nvfp4_train.kernels.mxfp4.reference import quantize_mxfp4_ref
 
     x = maybe_nonfinite(case, nonfinite, data)
     got = quantize_mxfp4(x.to(triton_device), stochastic=stochastic, seed=3)
@@ -655,7 +655,7 @@ def test_triton_mxfp4_matches_reference(triton_device, case, nonfinite, data, st
 @given(cb=fp8_cases(log2_range=(-149, 120), blocks=(None, (1, 128))), nonfinite=st.booleans(), data=st.data())
 def test_triton_fp8_matches_reference(triton_device, cb, nonfinite, data):
     """Per tensor and 1x128 (the 128x128 path is covered by test_fp8.py; a 128-row tile is slow here)."""
-    from kernels.fp8.reference import quantize_fp8_ref
+    from nvfp4_train.kernels.fp8.reference import quantize_fp8_ref
 
     case, block = cb
     x = maybe_nonfinite(case, nonfinite, data)

@@ -10,24 +10,24 @@ import types
 import pytest
 import torch
 
-import kernels.gemm_engine as ge
-from kernels._dispatch import interpret_mode
-import kernels.mxfp4 as mx
-import kernels.nvfp4 as nv
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
+import nvfp4_train.kernels.gemm_engine as ge
+from nvfp4_train.kernels._dispatch import interpret_mode
+import nvfp4_train.kernels.mxfp4 as mx
+import nvfp4_train.kernels.nvfp4 as nv
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
 
 
 @pytest.fixture
 def fake_native(monkeypatch):
-    """kernels.nvfp4.native / kernels.mxfp4.native stand-ins that record their calls."""
+    """nvfp4_train.kernels.nvfp4.native / nvfp4_train.kernels.mxfp4.native stand-ins that record their calls."""
     calls = []
-    nvm = types.ModuleType("kernels.nvfp4.native")
+    nvm = types.ModuleType("nvfp4_train.kernels.nvfp4.native")
     nvm.native_fp4_supported = lambda device: True
     nvm.nvfp4_gemm_native = lambda a, b, out_dtype=torch.bfloat16: calls.append(("nvfp4", out_dtype)) or "nv"
-    mxm = types.ModuleType("kernels.mxfp4.native")
+    mxm = types.ModuleType("nvfp4_train.kernels.mxfp4.native")
     mxm.mxfp4_gemm_native = lambda a, b, out_dtype=torch.bfloat16: calls.append(("mxfp4", out_dtype)) or "mx"
-    monkeypatch.setitem(sys.modules, "kernels.nvfp4.native", nvm)
-    monkeypatch.setitem(sys.modules, "kernels.mxfp4.native", mxm)
+    monkeypatch.setitem(sys.modules, "nvfp4_train.kernels.nvfp4.native", nvm)
+    monkeypatch.setitem(sys.modules, "nvfp4_train.kernels.mxfp4.native", mxm)
     monkeypatch.setattr(ge, "_NATIVE_BY_DEVICE", {})
     return nvm, calls
 

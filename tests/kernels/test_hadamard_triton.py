@@ -1,4 +1,4 @@
-"""The Triton RHT kernel (``kernels.hadamard``) against ``hadamard16_ref``, bit for bit, and the MXFP4 Wgrad
+"""The Triton RHT kernel (``nvfp4_train.kernels.hadamard``) against ``hadamard16_ref``, bit for bit, and the MXFP4 Wgrad
 operand cast that uses it.
 
 ``triton``-marked tests run under TRITON_INTERPRET=1 on CPU (``make test``) or natively on CUDA
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.hadamard import hadamard16, hadamard16_triton
-from kernels.mxfp4 import quantize_mxfp4
-from kernels.nvfp4.reference import hadamard16_ref
+from nvfp4_train.kernels.hadamard import hadamard16, hadamard16_triton
+from nvfp4_train.kernels.mxfp4 import quantize_mxfp4
+from nvfp4_train.kernels.nvfp4.reference import hadamard16_ref
 from nvfp4_train.precision.operand import cast_one
 from nvfp4_train.precision.recipe import OperandCast
 

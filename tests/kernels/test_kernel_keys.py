@@ -7,10 +7,10 @@ combination: on the H200 the NVFP4 runs kept compiling new variants for their fi
 
 import pytest
 
-from kernels.fp4_reference import seed_key
-from kernels.fp4_triton import key_arg
-from kernels.mxfp4.quantize import _mxfp4_quantize_kernel
-from kernels.nvfp4.quantize import _quantize_grouped_kernel
+from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.fp4_triton import key_arg
+from nvfp4_train.kernels.mxfp4.quantize import _mxfp4_quantize_kernel
+from nvfp4_train.kernels.nvfp4.quantize import _quantize_grouped_kernel
 
 
 @pytest.mark.parametrize("key", [0, 1, 16, 2**31 - 1, 2**31, 2**32 - 1, seed_key(0), seed_key(12345)])

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from kernels.fp4_reference import E2M1_VALUES, unpack_nibbles
-from kernels.mxfp4 import quantize_mxfp4, quantize_mxfp4_rowcol, transpose_mxfp4
-from kernels.mxfp4.reference import (
+from nvfp4_train.kernels.fp4_reference import E2M1_VALUES, unpack_nibbles
+from nvfp4_train.kernels.mxfp4 import quantize_mxfp4, quantize_mxfp4_rowcol, transpose_mxfp4
+from nvfp4_train.kernels.mxfp4.reference import (
     BLOCK,
     MXFP4Tensor,
     dequantize_mxfp4_ref,

@@ -1,4 +1,4 @@
-"""The MXFP4 Triton GEMM against the reference (``kernels.mxfp4.reference.mxfp4_gemm_ref``).
+"""The MXFP4 Triton GEMM against the reference (``nvfp4_train.kernels.mxfp4.reference.mxfp4_gemm_ref``).
 
 Runs under TRITON_INTERPRET=1 on CPU (fp32 dot: the interpreter's bf16 dot is wrong) and natively on CUDA
 (bf16 dot). Operands are built directly from codes and E8M0 scale bytes, and from the reference quantizer.
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.fp4_reference import pack_nibbles
-from kernels.mxfp4.gemm import mxfp4_gemm_triton
-from kernels.mxfp4.reference import dequantize_mxfp4_ref, mxfp4_gemm_ref, quantize_mxfp4_ref
+from nvfp4_train.kernels.fp4_reference import pack_nibbles
+from nvfp4_train.kernels.mxfp4.gemm import mxfp4_gemm_triton
+from nvfp4_train.kernels.mxfp4.reference import dequantize_mxfp4_ref, mxfp4_gemm_ref, quantize_mxfp4_ref
 
 pytestmark = pytest.mark.triton
 
@@ -152,8 +152,8 @@ def test_nan_scale_propagates(triton_device, gen):
 
 
 def test_public_dispatch(triton_device, gen):
-    """``kernels.mxfp4.mxfp4_gemm`` runs this kernel on the Triton device."""
-    from kernels.mxfp4 import mxfp4_gemm
+    """``nvfp4_train.kernels.mxfp4.mxfp4_gemm`` runs this kernel on the Triton device."""
+    from nvfp4_train.kernels.mxfp4 import mxfp4_gemm
 
     a = make(torch.randint(0, 16, (9, 64), generator=gen), torch.full((9, 2), E8M0_ONE), triton_device)
     b = make(torch.randint(0, 16, (7, 64), generator=gen), torch.full((7, 2), E8M0_ONE), triton_device)

@@ -11,21 +11,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fp4_native import check_native_fp4, native_fp4_supported
-from kernels.gemm_engine import resolve_gemm_engine
-from kernels.fp4_reference import pack_nibbles
-from kernels.mxfp4 import MXFP4Tensor, mxfp4_gemm, mxfp4_gemm_ref, quantize_mxfp4
-from kernels.mxfp4.native import emulate_mxfp4_scaled_mm, mxfp4_gemm_native, mxfp4_native_args
-from kernels.mxfp4.reference import swizzle_mxfp4
-from kernels.nvfp4 import (
+from nvfp4_train.kernels.fp4_native import check_native_fp4, native_fp4_supported
+from nvfp4_train.kernels.gemm_engine import resolve_gemm_engine
+from nvfp4_train.kernels.fp4_reference import pack_nibbles
+from nvfp4_train.kernels.mxfp4 import MXFP4Tensor, mxfp4_gemm, mxfp4_gemm_ref, quantize_mxfp4
+from nvfp4_train.kernels.mxfp4.native import emulate_mxfp4_scaled_mm, mxfp4_gemm_native, mxfp4_native_args
+from nvfp4_train.kernels.mxfp4.reference import swizzle_mxfp4
+from nvfp4_train.kernels.nvfp4 import (
     NVFP4Tensor,
     nvfp4_alpha,
     nvfp4_gemm,
     nvfp4_gemm_ref,
     quantize_nvfp4,
 )
-from kernels.nvfp4.native import emulate_nvfp4_scaled_mm, nvfp4_gemm_native, nvfp4_native_args
-from kernels.nvfp4.reference import _blockwise_values, swizzle_nvfp4
+from nvfp4_train.kernels.nvfp4.native import emulate_nvfp4_scaled_mm, nvfp4_gemm_native, nvfp4_native_args
+from nvfp4_train.kernels.nvfp4.reference import _blockwise_values, swizzle_nvfp4
 
 # (M, N, K): M free, N % 16 == 0, K % 32 == 0; K/16 = 10 and 6 pad the scale tiles' 4 columns, M = 37 and
 # 130 (and N = 48, 144) pad their 128 rows
@@ -141,7 +141,7 @@ def test_mxfp4_emulation_random_within_bound(gen, m, n, k):
     a, b = quantize_mxfp4(x, swizzled=True), quantize_mxfp4(w, swizzled=True)
     got = emulate_mxfp4_scaled_mm(**mxfp4_native_args(a, b, torch.float32)).double()
     ref = mxfp4_gemm_ref(a, b, torch.float32).double()
-    from kernels.mxfp4 import dequantize_mxfp4_ref
+    from nvfp4_train.kernels.mxfp4 import dequantize_mxfp4_ref
 
     S = dequantize_mxfp4_ref(a).double().abs() @ dequantize_mxfp4_ref(b).double().abs().t()
     assert ((got - ref).abs() <= S * (k + 3) * U * 1.001).all()
@@ -169,9 +169,9 @@ def _fake_gpu(monkeypatch, cap: tuple[int, int], name: str) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    import kernels.gemm_engine
+    import nvfp4_train.kernels.gemm_engine
 
-    monkeypatch.setattr(kernels.gemm_engine, "_NATIVE_BY_DEVICE", {})  # the per-device cache of the real device
+    monkeypatch.setattr(nvfp4_train.kernels.gemm_engine, "_NATIVE_BY_DEVICE", {})  # the per-device cache of the real device
 
 
 def test_native_refused_on_hopper_with_capability(monkeypatch):

@@ -22,10 +22,10 @@ from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor
 from torchao.prototype.mx_formats.utils import from_blocked as ao_from_blocked
 from torchao.prototype.mx_formats.utils import to_blocked as ao_to_blocked
 
-from kernels.fp4_layout import as_float4_x2, blocked_numel, blocked_offset, from_blocked, to_blocked
-from kernels.fp4_reference import e2m1_decode, unpack_nibbles
-from kernels.mxfp4 import quantize_mxfp4_ref, quantize_mxfp4_rowcol_ref
-from kernels.nvfp4 import quantize_nvfp4_ref, quantize_nvfp4_rowcol_ref
+from nvfp4_train.kernels.fp4_layout import as_float4_x2, blocked_numel, blocked_offset, from_blocked, to_blocked
+from nvfp4_train.kernels.fp4_reference import e2m1_decode, unpack_nibbles
+from nvfp4_train.kernels.mxfp4 import quantize_mxfp4_ref, quantize_mxfp4_rowcol_ref
+from nvfp4_train.kernels.nvfp4 import quantize_nvfp4_ref, quantize_nvfp4_rowcol_ref
 
 # (rows, cols) of scale matrices: exact tiles, and every kind of padding (rows past 128, cols past 4)
 SCALE_SHAPES = [(128, 4), (256, 8), (1, 1), (37, 3), (130, 5), (300, 9), (129, 12)]
@@ -193,7 +193,7 @@ def test_mxfp4_quantize_equals_torchao(gen, m, k, dtype):
 def test_rowcol_ref_swizzled(gen, block_2d):
     """The row + column references with ``swizzled=True``: the same codes, amaxes and values, the scales
     ``to_blocked`` of the row-major ones (both copies); dequantization reads either layout."""
-    from kernels.nvfp4 import dequantize_nvfp4_ref
+    from nvfp4_train.kernels.nvfp4 import dequantize_nvfp4_ref
 
     x = torch.randn(144, 80, generator=gen)
     for sw, plain in zip(quantize_nvfp4_rowcol_ref(x, block_2d=block_2d, col_rht=not block_2d, swizzled=True),

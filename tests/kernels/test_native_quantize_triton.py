@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mxfp4 import quantize_mxfp4, quantize_mxfp4_ref, quantize_mxfp4_rowcol, quantize_mxfp4_rowcol_ref
-from kernels.nvfp4 import quantize_nvfp4, quantize_nvfp4_ref, quantize_nvfp4_rowcol, quantize_nvfp4_rowcol_ref
+from nvfp4_train.kernels.mxfp4 import quantize_mxfp4, quantize_mxfp4_ref, quantize_mxfp4_rowcol, quantize_mxfp4_rowcol_ref
+from nvfp4_train.kernels.nvfp4 import quantize_nvfp4, quantize_nvfp4_ref, quantize_nvfp4_rowcol, quantize_nvfp4_rowcol_ref
 
 pytestmark = pytest.mark.triton
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.nvfp4.reference import decode_scale, nvfp4_alpha
+from nvfp4_train.kernels.nvfp4.reference import decode_scale, nvfp4_alpha
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the GPU case runs in `make test-gpu`

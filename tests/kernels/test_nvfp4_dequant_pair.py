@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.fp4_gemm as fp4_gemm
-from kernels.fp4_gemm import dequantize_fp4_blockwise_pair_triton, gemm_alpha_cublas, gemm_alpha_triton
-from kernels.fp4_reference import e2m1_decode, unpack_nibbles
-from kernels.mxfp4.reference import e8m0_to_float32
-from kernels.nvfp4.gemm import _alpha, nvfp4_gemm_predequant
-from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values
+import nvfp4_train.kernels.fp4_gemm as fp4_gemm
+from nvfp4_train.kernels.fp4_gemm import dequantize_fp4_blockwise_pair_triton, gemm_alpha_cublas, gemm_alpha_triton
+from nvfp4_train.kernels.fp4_reference import e2m1_decode, unpack_nibbles
+from nvfp4_train.kernels.mxfp4.reference import e8m0_to_float32
+from nvfp4_train.kernels.nvfp4.gemm import _alpha, nvfp4_gemm_predequant
+from nvfp4_train.kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values
 from tests.kernels.test_nvfp4_gemm import assert_bitwise, make, on, random_operand, to_cpu
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -127,7 +127,7 @@ def test_pair_strided_inputs_and_e8m0(triton_device, gen):
 
 
 class _CountLaunches:
-    """Stands in for a Triton kernel object in kernels.fp4_gemm: counts ``kernel[grid]`` launches."""
+    """Stands in for a Triton kernel object in nvfp4_train.kernels.fp4_gemm: counts ``kernel[grid]`` launches."""
 
     def __init__(self, kernel):
         self.kernel, self.n = kernel, 0

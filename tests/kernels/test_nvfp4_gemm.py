@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp4_reference import pack_nibbles
-from kernels.nvfp4 import nvfp4_gemm, nvfp4_gemm_ref, quantize_nvfp4_ref
-from kernels.fp4_gemm import GemmConfig, dequantize_fp4_blockwise_pair_triton, gemm_alpha_triton
-from kernels.nvfp4.gemm import nvfp4_gemm_predequant
-from kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha
+from nvfp4_train.kernels.fp4_reference import pack_nibbles
+from nvfp4_train.kernels.nvfp4 import nvfp4_gemm, nvfp4_gemm_ref, quantize_nvfp4_ref
+from nvfp4_train.kernels.fp4_gemm import GemmConfig, dequantize_fp4_blockwise_pair_triton, gemm_alpha_triton
+from nvfp4_train.kernels.nvfp4.gemm import nvfp4_gemm_predequant
+from nvfp4_train.kernels.nvfp4.reference import NVFP4Tensor, _blockwise_values, nvfp4_alpha
 
 pytestmark = pytest.mark.triton
 

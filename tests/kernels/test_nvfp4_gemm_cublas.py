@@ -12,17 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp4_gemm import (
+from nvfp4_train.kernels.fp4_gemm import (
     GemmConfig,
     dequantize_fp4_blockwise_pair_triton,
     gemm_alpha_cublas,
     predequant_fp4_gemm,
     scale_alpha_triton,
 )
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, resolve_gemm_engine
-from kernels.nvfp4 import nvfp4_gemm, nvfp4_gemm_ref
-from kernels.nvfp4.gemm import nvfp4_gemm_predequant
-from kernels.nvfp4.reference import NVFP4Tensor
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, resolve_gemm_engine
+from nvfp4_train.kernels.nvfp4 import nvfp4_gemm, nvfp4_gemm_ref
+from nvfp4_train.kernels.nvfp4.gemm import nvfp4_gemm_predequant
+from nvfp4_train.kernels.nvfp4.reference import NVFP4Tensor
 from tests.kernels.test_nvfp4_gemm import (
     assert_bitwise,
     e4m3_pow2,
@@ -119,7 +119,7 @@ def test_alpha_pass_from_amax_bitwise(triton_device, gen, out_dtype):
     rounded divisions by 2688, one fp32 product): bit for bit (acc * nvfp4_alpha(amax_a, amax_b)) by torch
     on CPU, for amaxes over the whole fp32 range (quotients down in the subnormals, products under- and
     overflowing), bf16-valued amaxes (what the quantizers produce), 0, Inf and NaN."""
-    from kernels.nvfp4.reference import nvfp4_alpha
+    from nvfp4_train.kernels.nvfp4.reference import nvfp4_alpha
 
     acc = special_accumulators(gen)[:3001]
     exps = torch.randint(-149, 128, (60,), generator=gen).float()
@@ -268,13 +268,13 @@ def test_public_entry_point_engines(triton_device, gen):
 def test_mxfp4_default_engine_unchanged(triton_device, gen):
     """The MXFP4 GEMM (the Triton 16-bit GEMM) gives the same bits as the cublas engine of the shared GEMM on
     an exact input (E8M0 scales 2^0: values are e2m1, partial sums exact)."""
-    from kernels.mxfp4.gemm import MX_BLOCK, mxfp4_gemm_triton
+    from nvfp4_train.kernels.mxfp4.gemm import MX_BLOCK, mxfp4_gemm_triton
 
     class Q:
         def __init__(self, codes, scales):
             self.codes, self.scales = codes, scales
 
-    from kernels.fp4_reference import pack_nibbles
+    from nvfp4_train.kernels.fp4_reference import pack_nibbles
 
     M, N, K = 9, 11, 64
     qa = Q(pack_nibbles(torch.randint(0, 16, (M, K), generator=gen)).to(triton_device),

@@ -8,7 +8,7 @@ import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.nvfp4 import nvfp4_amax, quantize_nvfp4_rowcol, quantize_nvfp4_rowcol_ref
+from nvfp4_train.kernels.nvfp4 import nvfp4_amax, quantize_nvfp4_rowcol, quantize_nvfp4_rowcol_ref
 from tests.kernels.test_nvfp4_quantize_triton import assert_same
 
 pytestmark = pytest.mark.triton
@@ -43,13 +43,13 @@ class _Ops(TorchDispatchMode):
 
 
 def triton_interpret() -> bool:
-    from kernels._dispatch import interpret_mode
+    from nvfp4_train.kernels._dispatch import interpret_mode
 
     return interpret_mode()
 
 
 def test_cdiv_is_tritons():
-    from kernels.fp4_triton import cdiv
+    from nvfp4_train.kernels.fp4_triton import cdiv
 
     for a in (0, 1, 15, 16, 17, 127, 128, 129, 20480 + 16):
         for b in (1, 16, 64, 128, 4096):
@@ -82,7 +82,7 @@ def test_given_amax_pair_is_read_in_place(triton_device, gen, col_rht, monkeypat
 
 
 def test_device_scalar_passes_fp32_scalars_through(triton_device):
-    from kernels.fp4_gemm import _device_scalar
+    from nvfp4_train.kernels.fp4_gemm import _device_scalar
 
     t = torch.tensor(0.375, device=triton_device)
     assert _device_scalar(t, t.device, "alpha") is t

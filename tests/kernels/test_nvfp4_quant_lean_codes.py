@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp4_reference import e2m1_round_nearest, e2m1_round_stochastic
-from kernels.fp4_triton import e2m1_code_rne_lowbyte, e2m1_code_sr_lean
+from nvfp4_train.kernels.fp4_reference import e2m1_round_nearest, e2m1_round_stochastic
+from nvfp4_train.kernels.fp4_triton import e2m1_code_rne_lowbyte, e2m1_code_sr_lean
 
 pytestmark = pytest.mark.triton
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp4_reference import seed_key
-from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
-from kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref
+from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
+from nvfp4_train.kernels.nvfp4.reference import quantize_nvfp4_rowcol_ref
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.nvfp4 import quantize_nvfp4, quantize_nvfp4_rowcol
-from kernels.nvfp4.reference import NVFP4Tensor, quantize_nvfp4_ref, quantize_nvfp4_rowcol_ref
+from nvfp4_train.kernels.nvfp4 import quantize_nvfp4, quantize_nvfp4_rowcol
+from nvfp4_train.kernels.nvfp4.reference import NVFP4Tensor, quantize_nvfp4_ref, quantize_nvfp4_rowcol_ref
 from tests.kernels.nvfp4_cases import (
     nonfinite_tensors,
     outlier_tensor,
@@ -130,7 +130,7 @@ def test_errors_name_the_problem(triton_device):
 
 
 def test_amax_and_supplied_raw_amax(triton_device, gen):
-    from kernels.nvfp4 import nvfp4_amax, nvfp4_amax_ref
+    from nvfp4_train.kernels.nvfp4 import nvfp4_amax, nvfp4_amax_ref
 
     for x in [torch.randn(32, 48, generator=gen).bfloat16(), *nonfinite_tensors(gen)]:
         for col_rht in (False, True):
@@ -155,8 +155,8 @@ ROWCOL_MODES = [
 def test_whole_tiles(triton_device, gen):
     """The kernel on a shape made of whole default tiles (its unmasked path), with rows of very different
     magnitudes (subnormal and saturating block scales in one tensor)."""
-    from kernels.fp4_reference import seed_key
-    from kernels.nvfp4.quantize import QUANTIZE_CONFIG, quantize_nvfp4_rowcol_triton
+    from nvfp4_train.kernels.fp4_reference import seed_key
+    from nvfp4_train.kernels.nvfp4.quantize import QUANTIZE_CONFIG, quantize_nvfp4_rowcol_triton
 
     m, k = 2 * QUANTIZE_CONFIG["block_m"], 2 * QUANTIZE_CONFIG["block_k"]
     x = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen) * 4)).bfloat16()

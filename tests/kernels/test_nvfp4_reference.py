@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.fp4_reference import e2m1_decode, pack_nibbles, random_bits8, unpack_nibbles
-from kernels.nvfp4.reference import (
+from nvfp4_train.kernels.fp4_reference import e2m1_decode, pack_nibbles, random_bits8, unpack_nibbles
+from nvfp4_train.kernels.nvfp4.reference import (
     dequantize_nvfp4_ref,
     hadamard16_matrix,
     hadamard16_ref,
@@ -349,7 +349,7 @@ def test_gemm_ref_equals_dequantized_product(gen):
 
 def test_seed_key_is_mix32_of_the_seed(gen):
     """seed_key computes lowbias32 on a Python int; it must equal the tensor mix32 that random_bits8 uses."""
-    from kernels.fp4_reference import mix32, seed_key
+    from nvfp4_train.kernels.fp4_reference import mix32, seed_key
 
     seeds = [0, 1, 0x9E3779B9, 2**31, 2**32 - 1] + torch.randint(0, 2**32, (2000,), generator=gen).tolist()
     expected = mix32(torch.tensor(seeds, dtype=torch.int64) ^ 0x9E3779B9).tolist()

@@ -7,8 +7,8 @@ import zlib
 import pytest
 import torch
 
-from kernels.fp4_reference import seed_key
-from kernels.sr_key import (
+from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.sr_key import (
     OPERANDS,
     ROLE_SLOTS,
     block_seed,

@@ -41,8 +41,8 @@ def run_layout(args, tp: int, pp: int, sp: bool, ckpt: Path, save: bool) -> tupl
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.build import build_model, transformer_config
-    from models.config import model_config
+    from nvfp4_train.models.build import build_model, transformer_config
+    from nvfp4_train.models.config import model_config
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -18,7 +18,7 @@ def test_sdpa_matches_megatron_dot_product_attention(gen, heads, groups):
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.enums import AttnMaskType
 
-        from models.attention import SDPAttention
+        from nvfp4_train.models.attention import SDPAttention
 
         cfg = TransformerConfig(num_layers=1, hidden_size=heads * 16, num_attention_heads=heads,
                                 num_query_groups=groups, kv_channels=16, attention_dropout=0.0,

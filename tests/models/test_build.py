@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import model_config
+from nvfp4_train.models.config import model_config
 
 
 @pytest.mark.parametrize("size,pp", [("12b", 4), ("12b", 2), ("8b", 4), ("tiny", 2), ("small", 3)])
 def test_stage_offsets_match_megatron(size, pp):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from models.build import stage_pattern, transformer_config
+    from nvfp4_train.models.build import stage_pattern, transformer_config
 
     mc = model_config(size)
     pattern = stage_pattern(mc, pp)
@@ -22,7 +22,7 @@ def test_stage_offsets_match_megatron(size, pp):
 
 
 def test_uneven_middle_stages_are_refused():
-    from models.build import transformer_config
+    from nvfp4_train.models.build import transformer_config
 
     mc = model_config("tiny").replace(pattern="M|-*|-M-|M", num_layers=7)
     with pytest.raises(ValueError, match="middle stages"):
@@ -30,7 +30,7 @@ def test_uneven_middle_stages_are_refused():
 
 
 def test_sequence_parallel_needs_tp():
-    from models.build import transformer_config
+    from nvfp4_train.models.build import transformer_config
 
     with pytest.raises(ValueError, match="sequence_parallel"):
         transformer_config(model_config("tiny"), sequence_parallel=True)

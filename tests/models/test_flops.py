@@ -1,8 +1,8 @@
 """Model FLOPs per token (MFU's numerator): 2 FLOPs per multiply-add of every weight matrix, plus attention's
 score and value products, plus the SSD scan; x3 for training."""
 
-from models.config import count_parameters, model_config
-from models.flops import forward_flops_per_token, training_flops_per_token
+from nvfp4_train.models.config import count_parameters, model_config
+from nvfp4_train.models.flops import forward_flops_per_token, training_flops_per_token
 
 
 def test_mlp_only_model_is_two_flops_per_weight():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import count_parameters, model_config
+from nvfp4_train.models.config import count_parameters, model_config
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 from tests.precision.mcore_util import megatron_single_rank
 
@@ -20,7 +20,7 @@ def single_rank():
 def _build(mc, recipe="bf16", seq=64, **map_kw):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.build import build_model, transformer_config
+    from nvfp4_train.models.build import build_model, transformer_config
 
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
@@ -111,7 +111,7 @@ def test_quantized_model_stays_close_to_bf16(single_rank):
 
 
 def test_summary_cli_last_line(capsys):
-    from models.summary import main
+    from nvfp4_train.summary import main
 
     assert main(["model=12b"]) == 0
     out = capsys.readouterr().out.strip().splitlines()

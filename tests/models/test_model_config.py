@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from models.config import (
+from nvfp4_train.models.config import (
     PATTERN_12B,
     SIZES,
     ModelConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import model_config
+from nvfp4_train.models.config import model_config
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 from tests.precision.mcore_util import megatron_single_rank
 
@@ -21,7 +21,7 @@ def single_rank():
 def _build(mc, recipe, *, cpu_init: bool, dtype=torch.bfloat16, **kw):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.build import build_model, transformer_config
+    from nvfp4_train.models.build import build_model, transformer_config
 
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)

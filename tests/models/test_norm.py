@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.layers import rms_norm, rms_norm_composite
+from nvfp4_train.models.layers import rms_norm, rms_norm_composite
 
 
 def _saved_bytes(fn, *args) -> tuple[torch.Tensor, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.pattern import HybridPattern
+from nvfp4_train.models.pattern import HybridPattern
 
 
 def test_counts():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import PATTERN_8B, PATTERN_12B, SIZES
-from models.pattern import HybridPattern
+from nvfp4_train.models.config import PATTERN_8B, PATTERN_12B, SIZES
+from nvfp4_train.models.pattern import HybridPattern
 from nvfp4_train.precision.layer_map import (
     ROLES_BY_KIND,
     LayerPrecisionMap,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.nvfp4.reference import (
+from nvfp4_train.kernels.nvfp4.reference import (
     dequantize_nvfp4_ref,
     nvfp4_gemm_ref,
     quantize_nvfp4_ref,

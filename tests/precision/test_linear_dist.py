@@ -57,14 +57,14 @@ def _recipe(name: str):
 
 def _slice_k(q, lo: int, hi: int):
     """An NVFP4 operand restricted to reduction indices [lo, hi) (block-aligned): same codes, scales, amax."""
-    from kernels.nvfp4.reference import NVFP4Tensor
+    from nvfp4_train.kernels.nvfp4.reference import NVFP4Tensor
 
     return NVFP4Tensor(codes=q.codes[:, lo // 2:hi // 2], scales=q.scales[:, lo // 16:hi // 16], amax=q.amax,
                        block_2d=q.block_2d)
 
 
 def _deq(q) -> torch.Tensor:
-    from kernels.nvfp4.reference import dequantize_nvfp4_ref
+    from nvfp4_train.kernels.nvfp4.reference import dequantize_nvfp4_ref
 
     return dequantize_nvfp4_ref(q).double()
 
@@ -88,7 +88,7 @@ def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str
 def _check(rank: int, recipe_name: str, sp: bool, solo) -> None:
     from megatron.core import parallel_state
 
-    from kernels.nvfp4.reference import (
+    from nvfp4_train.kernels.nvfp4.reference import (
         hadamard16_ref,
         nvfp4_gemm_ref,
         quantize_nvfp4_ref,

@@ -10,7 +10,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from kernels.nvfp4.reference import dequantize_nvfp4_ref, quantize_nvfp4_ref
+from nvfp4_train.kernels.nvfp4.reference import dequantize_nvfp4_ref, quantize_nvfp4_ref
 from nvfp4_train.precision.megatron_linear import (
     QuantColumnParallelLinear,
     QuantRowParallelLinear,
@@ -266,7 +266,7 @@ def _sr_violations(recipe, gen, samples: int, bound_samples: int) -> float:
                  a false failure has probability < 1e-6), the hash bits treated as independent draws,
       rounding = 2^-7 · mean_i |dx_i| (bf16 output 2^-9 relative, fp32 alpha and sum 2^-23, with slack).
     """
-    from kernels.nvfp4.reference import tensor_scales, transpose_nvfp4_ref
+    from nvfp4_train.kernels.nvfp4.reference import tensor_scales, transpose_nvfp4_ref
 
     layer = column(QuantColumnParallelLinear, 32, 64, config(), recipe=recipe, layer_name="sr")
     layer.weight.requires_grad_(False)  # dgrad only (wgrad's draws would only cost time)
@@ -313,9 +313,9 @@ def test_stochastic_rounding_gradient_is_unbiased(gen):
 
 def test_set_sr_streams_gives_the_streams_of_a_model_built_with_that_seed():
     """A model built with run seed 0, then set_sr_streams(model, s), has every quantized layer's stream that a
-    model built with run seed s has (models.hybrid: block_seed -> layer_stream), its call counter restarted."""
-    from models.build import build_model, transformer_config
-    from models.config import SIZES
+    model built with run seed s has (nvfp4_train.models.hybrid: block_seed -> layer_stream), its call counter restarted."""
+    from nvfp4_train.models.build import build_model, transformer_config
+    from nvfp4_train.models.config import SIZES
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
     mc = SIZES["tiny"]

@@ -147,7 +147,7 @@ def _chain(e: BaseException) -> str:
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "nvfp4_train.precision.table", *args],
+        [sys.executable, "-m", "nvfp4_train.table", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
@@ -172,9 +172,9 @@ def test_table_command_error_names_the_key():
 
 def test_table_imports_stay_light():
     code = (
-        "import sys, nvfp4_train.precision, nvfp4_train.precision.table, nvfp4_train.config, models, "
-        "models.config, models.pattern; "
-        "heavy = [m for m in ('torch', 'megatron', 'kernels', 'triton') if m in sys.modules]; "
+        "import sys, nvfp4_train.precision, nvfp4_train.table, nvfp4_train.config, nvfp4_train.models, "
+        "nvfp4_train.models.config, nvfp4_train.models.pattern; "
+        "heavy = [m for m in ('torch', 'megatron', 'nvfp4_train.kernels', 'triton') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -134,7 +134,7 @@ def test_each_ablation(tag):
 
 
 def test_gemm_engine_default_and_check():
-    from kernels.gemm_engine import DEFAULT_GEMM_ENGINE as KERNELS_DEFAULT
+    from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE as KERNELS_DEFAULT
 
     assert named_recipe("nvfp4").gemm_engine == KERNELS_DEFAULT
     assert named_recipe("nvfp4").replace(gemm_engine="triton").gemm_engine == "triton"

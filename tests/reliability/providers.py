@@ -1,4 +1,4 @@
-"""Model providers for the reliability tests: the hybrid model (``models.build``) or the GPTModel stand-in,
+"""Model providers for the reliability tests: the hybrid model (``nvfp4_train.models.build``) or the GPTModel stand-in,
 with faults injected through forward hooks, steered by environment variables (so that ``train.py`` in a
 subprocess gets them; nothing in megatron-core is patched):
 
@@ -95,7 +95,7 @@ def _with_faults(cfg, base_provider):
 
 
 def hybrid(cfg):
-    """``models.build`` (the trainer's default provider) with the faults above."""
+    """``nvfp4_train.models.build`` (the trainer's default provider) with the faults above."""
     from nvfp4_train.trainer import hybrid_model_provider
 
     return _with_faults(cfg, hybrid_model_provider(cfg))

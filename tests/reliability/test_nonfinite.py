@@ -14,7 +14,7 @@ from nvfp4_train.metrics import load_metrics
 from nvfp4_train.precision.telemetry import OPERAND_NAMES
 from tests.trainer.runs import TINY, run, start, tail
 
-pytest.importorskip("models.build")
+pytest.importorskip("nvfp4_train.models.build")
 
 STEPS = 7
 LAYER = "blocks.3.mlp.fc2"  # an nvfp4 layer of the tiny model (its first and last blocks are bf16)

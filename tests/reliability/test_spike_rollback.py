@@ -22,7 +22,7 @@ from nvfp4_train.metrics import load_metrics
 from nvfp4_train.precision.telemetry import OPERAND_NAMES
 from tests.trainer.runs import TINY, run, start, tail
 
-pytest.importorskip("models.build")
+pytest.importorskip("nvfp4_train.models.build")
 
 GBS, MICRO = 4, 2  # TINY: 4 samples per step in 2 micro-batches
 SPIKE = ["spike.factor=1.5", "spike.window=8", "spike.min_history=3"]

@@ -114,11 +114,11 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
 
 
 def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
-    """The same with the real model (models.build, tiny, nvfp4): stochastic rounding of the gradients draws
+    """The same with the real model (nvfp4_train.models.build, tiny, nvfp4): stochastic rounding of the gradients draws
     from per-layer counters, which the checkpoint carries (tiny keeps 4 of 12 layers in bf16; the others
     round dy stochastically in dgrad and wgrad). This one saves the optimizer state as dp_reshardable (the
     other test: the default fully_reshardable)."""
-    pytest.importorskip("models.build")
+    pytest.importorskip("nvfp4_train.models.build")
     base = ["model=tiny", "precision=nvfp4", *[a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment")],
             f"schedule.train_steps={STEPS}", "checkpoint.optim_format=dp_reshardable", "logging.telemetry_interval=3"]
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
@@ -144,7 +144,7 @@ def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
 def test_nonfinite_check_after_skip_trains_the_hybrid_nvfp4_model(tmp_path):
     """``logging.nonfinite_check=after_skip`` through train.py with real quantized layers: the check starts off
     (test_telemetry covers the switching) and training is unchanged by it: the losses equal the default's."""
-    pytest.importorskip("models.build")
+    pytest.importorskip("nvfp4_train.models.build")
     base = ["model=tiny", "precision=nvfp4", *[a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment")],
             "schedule.train_steps=3"]
     a = start([*base, f"experiment.run_dir={tmp_path / 'a'}"], log=tmp_path / "a.log")

@@ -98,8 +98,8 @@ def test_hybrid_layers_carry_their_block_role_and_base_recipe():
     import torch
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.build import build_model, transformer_config
-    from models.config import model_config
+    from nvfp4_train.models.build import build_model, transformer_config
+    from nvfp4_train.models.config import model_config
     from tests.precision.mcore_util import megatron_single_rank
 
     with megatron_single_rank():

@@ -1,7 +1,7 @@
 # ncu target: the fused quantize (K=20480, rowwise + columnwise RHT, RNE, amax given) for grouped and grouped_lean,
 # and the amax pass; each launched twice (ncu profiles the second of each: --launch-skip via -c below)
 import torch
-from kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton, amax_triton
+from nvfp4_train.kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton, amax_triton
 M, K = 8192, 20480
 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
 am = amax_triton(x, True); amax_triton(x, True)

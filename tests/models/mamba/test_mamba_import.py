@@ -10,9 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from models.mamba import _import
-from models.mamba._import import load_causal_conv1d, load_mamba_ssm
-from models.mamba.ops import ssd_scan
+from nvfp4_train.models.mamba import _import
+from nvfp4_train.models.mamba._import import load_causal_conv1d, load_mamba_ssm
+from nvfp4_train.models.mamba.ops import ssd_scan
 
 
 @pytest.fixture

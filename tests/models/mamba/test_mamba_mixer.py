@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.config import model_config
-from models.mamba.ops import causal_conv1d, rmsnorm_gated, ssd_scan
+from nvfp4_train.models.config import model_config
+from nvfp4_train.models.mamba.ops import causal_conv1d, rmsnorm_gated, ssd_scan
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 from tests.precision.mcore_util import megatron_single_rank
 
@@ -22,7 +22,7 @@ def single_rank():
 def _mixer(recipe):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from models.build import build_model, transformer_config
+    from nvfp4_train.models.build import build_model, transformer_config
 
     mc = model_config("tiny")  # M-*-M-: layer 0 is a Mamba block
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.mamba._import import load_causal_conv1d, load_mamba_ssm
-from models.mamba.ops import (
+from nvfp4_train.models.mamba._import import load_causal_conv1d, load_mamba_ssm
+from nvfp4_train.models.mamba.ops import (
     causal_conv1d,
     causal_conv1d_ref,
     init_A_log,

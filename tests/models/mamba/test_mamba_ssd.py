@@ -41,8 +41,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.mamba.ops import init_A_log, init_dt_bias, ssd_scan
-from models.mamba.ssd import ssd_chunked_scan, ssd_sequential_ref
+from nvfp4_train.models.mamba.ops import init_A_log, init_dt_bias, ssd_scan
+from nvfp4_train.models.mamba.ssd import ssd_chunked_scan, ssd_sequential_ref
 
 U = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8}
 GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -294,7 +294,7 @@ def test_ssd_scan_dispatch_on_cpu_is_the_chunked_scan(gen):
 # ----------------------------------------------------------------- mamba-ssm's Triton kernels
 
 def _mamba_scan():
-    from models.mamba._import import load_mamba_ssm
+    from nvfp4_train.models.mamba._import import load_mamba_ssm
 
     ops, reason = load_mamba_ssm()
     if ops is None:

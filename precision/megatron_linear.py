@@ -49,7 +49,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
-from kernels.sr_key import ROLE_SLOTS, block_seed, layer_stream
+from nvfp4_train.kernels.sr_key import ROLE_SLOTS, block_seed, layer_stream
 from nvfp4_train.mcore_compat.linear import forward_impl_kwargs
 from nvfp4_train.precision.linear import LinearContext, quantized_linear
 from nvfp4_train.precision.recipe import BF16, GEMM_ROLES, QuantRecipe
@@ -336,7 +336,7 @@ def invalidate_weight_caches(model: torch.nn.Module) -> None:
 
 def set_sr_streams(model: torch.nn.Module, run_seed: int) -> int:
     """Give every quantized layer of ``model`` the stochastic-rounding stream it would have in a model built
-    with run seed ``run_seed`` (``models.build.build_model(..., seed=run_seed)``: ``layer_stream(block_seed(
+    with run seed ``run_seed`` (``nvfp4_train.models.build.build_model(..., seed=run_seed)``: ``layer_stream(block_seed(
     run_seed, block, ROLE_SLOTS[role]), layer_name)``, see ``kernels/sr_key.py``) and restart its call counter
     (``lctx.calls = 0``; the cached weight copies are dropped): the next forward draws the rounding bits of that
     freshly built model's first forward. Parameters and recipes are untouched. Returns the number of layers set.

@@ -2,7 +2,7 @@
 
 A linear layer is named by the GLOBAL index of its block in the hybrid pattern (every pattern character but
 ``|`` is one block; under pipeline parallelism convert a stage-local index with
-``models.pattern.HybridPattern.global_index``) and its role inside the block:
+``nvfp4_train.models.pattern.HybridPattern.global_index``) and its role inside the block:
 
     M  mamba.in_proj   mamba.out_proj
     *  attention.qkv   attention.proj

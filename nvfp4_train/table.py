@@ -1,6 +1,6 @@
 """Print the resolved layer precision table of a config, without building the model.
 
-    python -m nvfp4_train.precision.table model=12b precision=nvfp4 [more Hydra overrides]
+    python -m nvfp4_train.table model=12b precision=nvfp4 [more Hydra overrides]
     nvfp4-precision-table --help | --cfg job [overrides] | -m precision=nvfp4,fp8 model=12b
 
 Composes ``configs/table.yaml`` with the overrides (Hydra's compose API), resolves the layer precision map
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from models.config import count_parameters
+from nvfp4_train.models.config import count_parameters
 
 
 def render(overrides: Sequence[str] = ()) -> str:

@@ -1,13 +1,13 @@
-"""``python -m models.summary model=<size>`` (installed: ``nvfp4-summary``): the pattern, block counts and
+"""``python -m nvfp4_train.summary model=<size>`` (installed: ``nvfp4-summary``): the pattern, block counts and
 parameter count of a model config, without building it (the count is analytic:
-``models.config.count_parameters``; a test checks it against built models). Last line: ``parameters: N``.
+``nvfp4_train.models.config.count_parameters``; a test checks it against built models). Last line: ``parameters: N``.
 
     nvfp4-summary model=12b
     nvfp4-summary --help | --cfg job model=12b | -m model=tiny,small,12b"""
 
 from __future__ import annotations
 
-from models.config import count_parameters, parameter_breakdown
+from nvfp4_train.models.config import count_parameters, parameter_breakdown
 
 
 def summary(overrides: list[str]) -> str:

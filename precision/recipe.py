@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 FORMATS = ("bf16", "fp8_e4m3", "nvfp4", "mxfp4")
-# kernels.gemm_engine.DEFAULT_GEMM_ENGINE (tests/precision/test_recipe.py checks they agree), named here so that
+# nvfp4_train.kernels.gemm_engine.DEFAULT_GEMM_ENGINE (tests/precision/test_recipe.py checks they agree), named here so that
 # the recipes, the config schema and the layer table import without the kernels
 DEFAULT_GEMM_ENGINE = "cublas"
 FP4_FORMATS = ("nvfp4", "mxfp4")
@@ -202,7 +202,7 @@ class QuantRecipe:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"QuantRecipe.name={self.name!r} must be a non-empty string")
         if self.gemm_engine != DEFAULT_GEMM_ENGINE:
-            from kernels.gemm_engine import check_gemm_engine
+            from nvfp4_train.kernels.gemm_engine import check_gemm_engine
 
             check_gemm_engine(self.gemm_engine)
         for role in GEMM_ROLES:

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 # imported here, not in the functions: an import statement costs host time on every call of the hot path
-# (kernels.nvfp4 itself imports only torch; Triton is imported when a kernel first runs)
-from kernels.gemm_engine import DEFAULT_GEMM_ENGINE, resolve_gemm_engine
-from kernels.nvfp4 import nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
+# (nvfp4_train.kernels.nvfp4 itself imports only torch; Triton is imported when a kernel first runs)
+from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, resolve_gemm_engine
+from nvfp4_train.kernels.nvfp4 import nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
 from nvfp4_train.precision.recipe import OperandCast
 
 __all__ = ["Operand", "cast_pair", "cast_one", "qgemm", "operand_nbytes"]
@@ -60,9 +60,9 @@ def _swizzled(t: torch.Tensor, engine: str) -> bool:
 
 def _hadamard(t: torch.Tensor) -> torch.Tensor:
     """RHT of each 16 consecutive elements of t's last dim, as t.dtype: one Triton kernel where
-    ``use_triton(t)``, the reference otherwise (``kernels.hadamard``; the same bits as
+    ``use_triton(t)``, the reference otherwise (``nvfp4_train.kernels.hadamard``; the same bits as
     ``hadamard16_ref(t).to(t.dtype)``)."""
-    from kernels.hadamard import hadamard16
+    from nvfp4_train.kernels.hadamard import hadamard16
 
     return hadamard16(t)
 
@@ -83,14 +83,14 @@ def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.Pro
         return Operand("nvfp4", quantize_nvfp4(t, block_2d=cast.block == (16, 16), rht=cast.hadamard,
                                                stochastic=sr, seed=seed, amax=amax, swizzled=_swizzled(t, engine)))
     if cast.format == "mxfp4":
-        from kernels.mxfp4 import quantize_mxfp4
+        from nvfp4_train.kernels.mxfp4 import quantize_mxfp4
 
         src = _hadamard(t) if cast.hadamard else t
         kwargs = {"block_2d": True} if cast.block == (32, 32) else {}
         return Operand("mxfp4", quantize_mxfp4(src, stochastic=sr, seed=seed, swizzled=_swizzled(t, engine),
                                                **kwargs))
     if cast.format == "fp8_e4m3":
-        from kernels.fp8 import quantize_fp8
+        from nvfp4_train.kernels.fp8 import quantize_fp8
 
         return Operand("fp8_e4m3", quantize_fp8(t, block=cast.block, amax_group=amax_group))
     raise ValueError(f"unknown operand format {cast.format!r}")
@@ -107,7 +107,7 @@ def cast_pair(
     """The rowwise operand of ``t`` [R, C] (reduction along C) and the columnwise one (of ``tᵀ``).
 
     ``None`` for a cast skips that copy. ``seeds``: the stochastic-rounding seeds of the two copies
-    (``kernels.sr_key.operand_seed``). ``engine``: as for ``cast_one``.
+    (``nvfp4_train.kernels.sr_key.operand_seed``). ``engine``: as for ``cast_one``.
     """
     row_seed, col_seed = seeds
     if row is not None and col is not None and row.format == col.format == "nvfp4":
@@ -145,11 +145,11 @@ def qgemm(a: Operand, b: Operand, out_dtype: torch.dtype, engine: str = DEFAULT_
     if a.format == "nvfp4":
         return nvfp4_gemm(a.data, b.data, out_dtype=out_dtype, engine=engine)
     if a.format == "mxfp4":
-        from kernels.mxfp4 import mxfp4_gemm
+        from nvfp4_train.kernels.mxfp4 import mxfp4_gemm
 
         return mxfp4_gemm(a.data, b.data, out_dtype=out_dtype, engine=engine)
     if a.format == "fp8_e4m3":
-        from kernels.fp8 import fp8_gemm
+        from nvfp4_train.kernels.fp8 import fp8_gemm
 
         return fp8_gemm(a.data, b.data, out_dtype=out_dtype)
     raise ValueError(f"unknown operand format {a.format!r}")

@@ -65,22 +65,22 @@ _clock = itertools.count()  # one global order of forward and backward calls, ac
 
 
 def _codes_fp4(codes_packed: torch.Tensor) -> torch.Tensor:
-    from kernels.fp4_reference import unpack_nibbles
+    from nvfp4_train.kernels.fp4_reference import unpack_nibbles
 
     return unpack_nibbles(codes_packed) & 7  # magnitude code: 0 is ±0, 7 is ±6
 
 
 def _dequantize(op: Operand) -> torch.Tensor:
     if op.format == "nvfp4":
-        from kernels.nvfp4 import dequantize_nvfp4
+        from nvfp4_train.kernels.nvfp4 import dequantize_nvfp4
 
         return dequantize_nvfp4(op.data)
     if op.format == "mxfp4":
-        from kernels.mxfp4 import dequantize_mxfp4
+        from nvfp4_train.kernels.mxfp4 import dequantize_mxfp4
 
         return dequantize_mxfp4(op.data)
     if op.format == "fp8_e4m3":
-        from kernels.fp8 import dequantize_fp8
+        from nvfp4_train.kernels.fp8 import dequantize_fp8
 
         return dequantize_fp8(op.data)
     raise ValueError(f"no telemetry for operand format {op.format!r}")
@@ -90,7 +90,7 @@ def _high_precision_input(source: torch.Tensor, cast: OperandCast) -> torch.Tens
     """What the quantizer received, as float64: the source, Hadamard-mixed (and rounded to the source dtype,
     as operand.cast_one / the kernels do) when the cast has RHT."""
     if cast.hadamard:
-        from kernels.nvfp4.reference import hadamard16_ref
+        from nvfp4_train.kernels.nvfp4.reference import hadamard16_ref
 
         return hadamard16_ref(source).to(torch.float64)
     return source.to(torch.float64)

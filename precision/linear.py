@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.sr_key import OPERANDS, call_seed, operand_seed
+from nvfp4_train.kernels.sr_key import OPERANDS, call_seed, operand_seed
 from nvfp4_train.precision.operand import Operand, cast_pair, operand_nbytes, qgemm
 from nvfp4_train.precision.recipe import QuantRecipe
 
@@ -73,7 +73,7 @@ class LinearContext:
     group whose amaxes are all-reduced, the weight cache and telemetry hooks."""
 
     recipe: QuantRecipe
-    seed: int = 0  # the layer's stochastic-rounding stream (kernels.sr_key.layer_stream)
+    seed: int = 0  # the layer's stochastic-rounding stream (nvfp4_train.kernels.sr_key.layer_stream)
     amax_group: dist.ProcessGroup | None = None
     # zeros appended to the weight's (rows, columns) so both are multiples of the recipe's blocks; the input
     # arrives padded by the caller (see quantized_linear)
