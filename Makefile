@@ -12,7 +12,7 @@ PYTEST := $(PY) -m pytest -q
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu-constraints.txt
+$(STAMP): pyproject.toml setup.py requirements/cpu-constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"

@@ -66,7 +66,7 @@ EOF
   if [[ $stamp != "$have_stamp" ]]; then
     # Requirements of the installed wheels that this environment does not meet (warnings, not errors: the
     # skip list of --minimal assumes some of the image's versions).
-    "$py" "$repo/scripts/_wheelhouse.py" check-site "$site" >&2 \
+    "$py" "$repo/nvfp4_train/wheelhouse.py" check-site "$site" >&2 \
       || echo "gpu_env: warning: the requirement check itself failed (above)" >&2
   fi
   # The project, editable: nvfp4_train.kernels etc. live in kernels/ etc., which only the installed package maps

@@ -17,7 +17,7 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-HELPER="$REPO/scripts/_wheelhouse.py"
+HELPER="$REPO/nvfp4_train/wheelhouse.py"
 
 usage() {
   cat <<'EOF'
@@ -27,7 +27,7 @@ usage: scripts/wheelhouse.sh [options]
                          expanded to every manylinux_2_M with M <= N and the legacy manylinux2014/2010/1 aliases
   --out DIR              where the wheels go (default wheelhouse/); its old *.whl files are replaced
   --minimal              leave out what our H200 image already has (the image's package list, built into
-                         scripts/_wheelhouse.py with the versions known) -> a small folder to copy
+                         nvfp4_train/wheelhouse.py with the versions known) -> a small folder to copy
   --skip-present FILE    leave out what FILE lists: the target's `python3 -m pip list --format=freeze` (exact:
                          resolves against those versions) or bare names (assumed compatible); repeatable
   --carry NAME           carry NAME although the skip list says the target has it (e.g. when

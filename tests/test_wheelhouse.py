@@ -1,5 +1,5 @@
 """scripts/wheelhouse.sh's causal-conv1d options (--sdist, --cuda-arch, --only-causal-conv1d) and the helpers in
-scripts/_wheelhouse.py behind them. CPU only, no network: the CUDA build itself is not run here."""
+nvfp4_train/wheelhouse.py behind them. CPU only, no network: the CUDA build itself is not run here."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from nvfp4_train import wheelhouse as wh
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import _wheelhouse as wh  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "causal_conv1d-1.7.0-setup-excerpt.py.txt"
 PAIR = re.compile(r"arch=compute_(\w+),code=sm_(\w+)")

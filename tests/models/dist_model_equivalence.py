@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat  # noqa: E402
+from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat
 
 LR = 0.5  # large enough that a wrong gradient moves the second loss visibly
 
