@@ -155,6 +155,9 @@ class CudaGraphStep:
             return fb(iter(batches), True)
         if any(m.lctx.telemetry is not None for m in self.layers):
             return fb(iter(batches), True)  # telemetry reads its statistics on the host: never captured
+        if not all(isinstance(v, torch.Tensor) for b in batches for v in b.values()):
+            self._warn_fit()
+            return fb(iter(batches), True)
         count = self._pending[1] + 1 if self._pending is not None and self._pending[0] == key else 1
         if count <= self.warmup_steps:
             self._pending = (key, count)
@@ -165,8 +168,9 @@ class CudaGraphStep:
     def _warn_fit(self) -> None:
         if not self._warned_fit:
             self._warned_fit = True
-            warnings.warn("schedule.cuda_graph: a step's micro-batches differ in number, keys, shapes or dtypes "
-                          "from the captured ones; such steps run eager", stacklevel=3)
+            warnings.warn("schedule.cuda_graph: a step's micro-batches hold something other than tensors, or differ "
+                          "in number, keys, shapes or dtypes from the captured ones; such steps run eager",
+                          stacklevel=3)
 
     def drop(self) -> None:
         """Free the graph, its memory pool and static buffers (the next steps warm up and capture anew)."""

@@ -471,6 +471,8 @@ class Trainer:
         """Restore the signal handlers; close the metrics; release the run directory and the process groups
         this trainer set up (idempotent)."""
         self._signals.restore()
+        if getattr(self, "cuda_graph", None) is not None:
+            self.cuda_graph.drop()  # the graph's memory pool
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -73,9 +73,9 @@ def graph_steps(zero: Callable[[], None], fwd_bwd: Callable[[], None], rest: Cal
     backwards of its micro-batches, then ``rest``: the gradient sync, optimizer step and weight-cache drop) with
     ``fwd_bwd`` captured once in a CUDA graph (``torch.cuda.graph``) and replayed, the rest eager (megatron's
     ``prepare_grads`` reads ``found_inf`` on the host, which a graph cannot hold). It measures what the step costs
-    with no host work per kernel launch. Not a training mode: every replay reuses the stochastic-rounding keys and
-    the non-finite check's clock values captured once (host integers passed to the kernels), so the noise does not
-    change from step to step. Returns the median step time and tokens/s, or raises on the first capture error."""
+    with no host work per kernel launch. The stochastic-rounding keys and the non-finite clock change from replay to
+    replay only when the model's layers have device counters (``nvfp4_train.cuda_graph.enable_device_counters``,
+    which ``--cuda-graph`` gives them); training with CUDA graphs is ``schedule.cuda_graph``. Returns the median step time and tokens/s, or raises on the first capture error."""
     if not torch.cuda.is_available():
         raise RuntimeError("--cuda-graph needs CUDA")
     stream = torch.cuda.current_stream()

@@ -44,9 +44,10 @@ cudaStreamSynchronize / cudaMemcpy is where the host waited for the GPU.
 
 ``--cuda-graph`` (experimental, a benchmark only): after the above, each case and recipe also times the step with its
 forwards and backwards captured once in a CUDA graph and replayed, the optimizer step eager after each replay: what
-the step costs with no host work per kernel launch (the `small` steps are host-bound). Not a training mode: the
-stochastic-rounding keys and the non-finite check's clock, host integers given to the kernels, are frozen at
-capture. A capture error is recorded under ``"cuda_graph"`` and the eager numbers are kept. With ``--cuda-graph``
+the step costs with no host work per kernel launch (the `small` steps are host-bound). The layers get the device
+call counters and non-finite clock of training with CUDA graphs (``nvfp4_train.cuda_graph.enable_device_counters``),
+so each replay draws its own stochastic-rounding keys; the training mode itself is ``schedule.cuda_graph`` (the
+trainer's ``CudaGraphStep``), this benchmark keeps its own capture of its own step. A capture error is recorded under ``"cuda_graph"`` and the eager numbers are kept. With ``--cuda-graph``
 each case runs entirely on one side stream (model, megatron's DDP, eager steps, capture): DDP keeps each
 parameter's AccumulateGrad node from its construction, and a capture on another stream than theirs is invalidated
 (seen on the H200 on 2026-11-30). Measured on the H200: ``docs/benchmarks.md``, "Training step".
@@ -179,6 +180,9 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, optimizer: bool 
             res["profile"] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if cuda_graph:
         try:  # nor a capture failure
+            from nvfp4_train.cuda_graph import enable_device_counters
+
+            enable_device_counters(model, torch.device("cuda", torch.cuda.current_device()))
             res["cuda_graph"] = graph_steps(zero, fwd_bwd, rest, lambda: invalidate_weight_caches(model), warmup,
                                             iters, tokens)
         except Exception as e:

@@ -90,3 +90,53 @@ def test_enable_device_counters_starts_from_the_host_counts(monkeypatch):
     assert [int(m.lctx.call_counter) for m in layers] == [0, 7, 2**40]
     assert all(m.lctx.call_counter.dtype == torch.int64 and m.lctx.call_counter.dim() == 0 for m in layers)
     assert clock.dtype == torch.float64 and float(clock) == 0.0
+
+
+def test_when_a_step_is_eager_captured_or_replayed(monkeypatch):
+    """The graph step's decisions, with the capture and replay stubbed (no CUDA here): warm-up steps, a capture
+    and replays while the key holds; a step with another key runs eager and keeps the graph; a key that lasts
+    warmup_steps steps is captured anew; micro-batches that do not fit the static buffers run eager (one warning)."""
+    from nvfp4_train.cuda_graph import CudaGraphStep
+
+    log = []
+
+    def capture(self, fb, batches, finalize, key):
+        self.graph, self.key, self.captures = object(), key, self.captures + 1
+        self._static = [{k: v.clone() for k, v in b.items()} for b in batches]
+        log.append("capture")
+
+    def replay(self, batches, finalize):
+        self._pending = None
+        log.append("replay")
+
+    monkeypatch.setattr(CudaGraphStep, "_capture", capture)
+    monkeypatch.setattr(CudaGraphStep, "_replay", replay)
+    key = ["a"]
+    monkeypatch.setattr(CudaGraphStep, "capture_key", lambda self: tuple(key))
+    step = CudaGraphStep(torch.nn.Module(), device=torch.device("cpu"), stream=None, warmup_steps=2)
+    batches = [{"tokens": torch.zeros(2, 4, dtype=torch.int64)}]
+
+    def fb(it, finalize):
+        assert finalize
+        log.append("eager")
+
+    def go(n=1, b=batches):
+        for _ in range(n):
+            step.run(fb, b, lambda: None)
+
+    go(4)
+    assert log == ["eager", "eager", "capture", "replay"]
+    key[0] = "check on"  # e.g. the step after a skipped one under after_skip
+    go()
+    key[0] = "a"
+    go()
+    assert log[4:] == ["eager", "replay"] and step.captures == 1
+    key[0] = "switched"  # the precision switch: warm up, capture anew
+    go(3)
+    assert log[6:] == ["eager", "eager", "capture"] and step.captures == 2
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        go(2, [{"tokens": torch.zeros(2, 5, dtype=torch.int64)}])
+    assert log[9:] == ["eager", "eager"] and len(rec) == 1 and "run eager" in str(rec[0].message)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        CudaGraphStep(torch.nn.Module(), device=torch.device("cpu"), stream=None, warmup_steps=0)
