@@ -137,11 +137,41 @@ def seed_key(seed: int) -> int:
     return x ^ (x >> 16)
 
 
-def random_bits8(rows: int, cols: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def seed_key_torch(seed: torch.Tensor) -> torch.Tensor:
+    """``seed_key`` of int64 tensors holding uint32 seeds (what a kernel computes from a seed it loads)."""
+    if seed.dtype != torch.int64:
+        raise TypeError(f"seed must be an int64 tensor, got {seed.dtype}")
+    return mix32(seed ^ 0x9E3779B9)
+
+
+def check_seed(seed, device: torch.device | None = None) -> None:
+    """A quantizer's ``seed``: an int in [0, 2**32), or a 0-d int64 tensor holding one on the device of the tensor
+    being quantized (a seed computed on the device, e.g. ``nvfp4_train.kernels.sr_key.next_call_seeds``: a CUDA graph can
+    replay it with a new value, where an int would be frozen into the captured launch)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.dim() != 0:
+            raise ValueError(f"a seed tensor must be 0-d int64 (a uint32 value), got {seed.dtype} of shape "
+                             f"{tuple(seed.shape)}")
+        if device is not None and seed.device != device:
+            raise ValueError(f"the seed tensor is on {seed.device}, the tensor to quantize on {device}")
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32) or a 0-d int64 tensor, got {seed!r}")
+
+
+def kernel_key(seed):
+    """What the quantize kernels receive for ``seed``: ``seed_key(seed)`` of an int (computed on the host), a seed
+    tensor itself (the kernel loads it and applies ``seed_key``: ``KEY_PTR``)."""
+    return seed if isinstance(seed, torch.Tensor) else seed_key(seed)
+
+
+def random_bits8(rows: int, cols: int, seed, device: torch.device | str = "cpu") -> torch.Tensor:
     """8 random bits for each element of a [rows, cols] tensor: the top byte of
-    ``mix32((row * cols + col + seed_key(seed)) mod 2**32)``."""
+    ``mix32((row * cols + col + seed_key(seed)) mod 2**32)``. ``seed``: an int, or a 0-d int64 tensor holding
+    one (``check_seed``): the same bits."""
     idx = torch.arange(rows * cols, dtype=torch.int64, device=device).view(rows, cols)
-    return mix32(idx + seed_key(seed)) >> 24
+    key = seed_key_torch(seed) if isinstance(seed, torch.Tensor) else seed_key(seed)
+    return mix32(idx + key) >> 24
 
 
 def round_to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

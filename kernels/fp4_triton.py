@@ -69,6 +69,35 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def launch_keys(row_key, col_key, row_sr: bool, col_sr: bool):
+    """(row key, column key, KEY_PTR) as a quantize kernel takes them: two int keys as ``key_arg``s; seed
+    tensors (``nvfp4_train.kernels.fp4_reference.kernel_key``) as they are, for the kernel compiled with ``KEY_PTR`` to load
+    (``load_key``). One launch takes both kinds only when the int one is unused (its copy is not rounded
+    stochastically): it is then replaced by the tensor."""
+    rt, ct = not isinstance(row_key, int), not isinstance(col_key, int)
+    if not (rt or ct):
+        return key_arg(row_key), key_arg(col_key), False
+    if not rt:
+        if row_sr:
+            raise ValueError("a quantize launch takes its stochastic keys either all as ints or all as seed tensors")
+        row_key = col_key
+    if not ct:
+        if col_sr:
+            raise ValueError("a quantize launch takes its stochastic keys either all as ints or all as seed tensors")
+        col_key = row_key
+    return row_key, col_key, True
+
+
+@triton.jit
+def load_key(key, KEY_PTR: tl.constexpr):
+    """The uint32 key of a launch: the int key itself, or with ``KEY_PTR`` ``seed_key`` of the int64 seed
+    ``key`` points to (one scalar load and hash per program)."""
+    if KEY_PTR:
+        return mix32(tl.load(key).to(tl.uint32) ^ 0x9E3779B9)
+    else:
+        return key.to(tl.uint32)
+
+
 def key_arg(key: int) -> int:
     """A 32-bit random-number key (``seed_key``, in [0, 2**32)) as the quantize kernels receive it: the same 32
     bits as a signed int32. Triton types a Python int argument by its range (i32 below 2**31, i64 above) and

@@ -10,6 +10,12 @@ key the quantize kernels mix into every element counter (``docs/numerics.md``, "
     operand_seed(call_seed, operand)   every cast                     2 * call_seed + operand  (``OPERANDS``)
     seed_key(operand_seed)             the kernels' entry             lowbias32(operand_seed ^ 0x9E3779B9)
 
+On the device (CUDA graphs, which freeze every host int of a captured launch): a layer keeps its call counter
+in a 0-d int64 tensor, and ``next_call_seeds(counter, stream)`` advances it in place and returns the six
+operand seeds of that call (``CALL_OPERANDS`` order) as an int64 tensor, in one kernel launch
+(``kernels/sr_key_triton.py``; ``next_call_seeds_ref`` is the same in torch ops). The quantizers take such a
+seed as a 0-d tensor instead of an int and apply ``seed_key`` in the kernel: bitwise the keys of the host ints.
+
 ``block`` is the GLOBAL block index, ``slot`` the linear layer's place in its block (``ROLE_SLOTS``). A layer
 built on its own (not by the model) takes its ``seed`` directly as the input of ``layer_stream``. The two
 build-time stages are host constants of a layer (the CRC of its name never runs on the device); everything a
@@ -39,6 +45,10 @@ __all__ = [
     "operand_seed",
     "sr_key",
     "sr_key_torch",
+    "CALL_OPERANDS",
+    "call_seeds_torch",
+    "next_call_seeds_ref",
+    "next_call_seeds",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -63,6 +73,10 @@ OPERANDS = {
     ("dy", "row"): 8,  # dgrad A
     ("dy", "col"): 9,  # wgrad A
 }
+
+
+# the operands of one call in the order of the seeds ``next_call_seeds`` returns: W, x, dy; row, col each
+CALL_OPERANDS = (("W", "row"), ("W", "col"), ("x", "row"), ("x", "col"), ("dy", "row"), ("dy", "col"))
 
 
 def _check_u32(name: str, v: int) -> None:
@@ -104,3 +118,45 @@ def sr_key_torch(stream: int, call: torch.Tensor, operand: int) -> torch.Tensor:
     s = (_mul32(torch.full_like(call, stream & MASK32), 1_000_003) + _mul32(call & _MASK32, 7_919)) & _MASK32
     s = (s * 2 + operand) & _MASK32
     return mix32(s ^ 0x9E3779B9)
+
+
+def _call_seed_torch(stream: int, call: torch.Tensor) -> torch.Tensor:
+    return (_mul32(torch.full_like(call, stream & MASK32), 1_000_003) + _mul32(call & _MASK32, 7_919)) & _MASK32
+
+
+def call_seeds_torch(stream: int, call: torch.Tensor) -> torch.Tensor:
+    """int64 [*call.shape, 6]: the ``operand_seed`` of each operand of ``CALL_OPERANDS`` in the layer's ``call``-th
+    forward/backward (``call``: an int64 tensor of call indices), as uint32 values."""
+    if call.dtype != torch.int64:
+        raise TypeError(f"call must be an int64 tensor, got {call.dtype}")
+    s = _call_seed_torch(stream, call)
+    ops = torch.tensor([OPERANDS[o] for o in CALL_OPERANDS], dtype=torch.int64, device=call.device)
+    return (s.unsqueeze(-1) * 2 + ops) & _MASK32
+
+
+def _check_counter(counter: torch.Tensor) -> None:
+    if not isinstance(counter, torch.Tensor) or counter.dtype != torch.int64 or counter.dim() != 0:
+        raise TypeError(f"the call counter must be a 0-d int64 tensor, got {counter!r}")
+
+
+def next_call_seeds_ref(counter: torch.Tensor, stream: int) -> torch.Tensor:
+    """Advance the layer's call counter (a 0-d int64 tensor) by one, in place, and return the operand seeds of
+    that call: int64 [6], ``operand_seed(call_seed(stream, counter), operand)`` for ``CALL_OPERANDS``."""
+    _check_counter(counter)
+    _check_u32("stream", stream)
+    counter.add_(1)
+    return call_seeds_torch(stream, counter)
+
+
+def next_call_seeds(counter: torch.Tensor, stream: int) -> torch.Tensor:
+    """``next_call_seeds_ref`` in one Triton launch where ``use_triton(counter)`` (``kernels/sr_key_triton.py``;
+    the same values); the reference otherwise."""
+    from nvfp4_train.kernels._dispatch import use_triton
+
+    if not use_triton(counter):
+        return next_call_seeds_ref(counter, stream)
+    _check_counter(counter)
+    _check_u32("stream", stream)
+    from nvfp4_train.kernels.sr_key_triton import next_call_seeds_triton
+
+    return next_call_seeds_triton(counter, stream)

@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DECAY_STYLES", "ScheduleConfig", "ResolvedSchedule", "wsd_lr", "WSDSchedule"]
+__all__ = ["DECAY_STYLES", "CUDA_GRAPH_MODES", "ScheduleConfig", "ResolvedSchedule", "wsd_lr", "WSDSchedule"]
 
 DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
 def wsd_lr(position: int, *, max_lr: float, min_lr: float, init_lr: float, warmup: int, total: int, decay: int,
@@ -96,6 +97,10 @@ class ScheduleConfig:
     """Evaluate on the validation split every this many steps (0: only at the end)."""
     eval_batches: int = 4
     """Global batches of the validation split per evaluation (always the same ones)."""
+    cuda_graph: str = "auto"
+    """Replay each step's forwards and backwards from a CUDA graph (``nvfp4_train.cuda_graph``; bitwise the
+    eager step): ``auto`` on CUDA where the layout allows it (off on CPU), ``on`` (a layout that does not allow
+    it runs eager, with one warning naming why), ``off``. docs/training.md, "CUDA graphs"."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size"):
@@ -122,6 +127,8 @@ class ScheduleConfig:
             raise ValueError(f"schedule: need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
         if not 0.0 <= self.init_lr <= self.lr:
             raise ValueError(f"schedule: need 0 <= init_lr <= lr, got init_lr={self.init_lr}, lr={self.lr}")
+        if self.cuda_graph not in CUDA_GRAPH_MODES:
+            raise ValueError(f"schedule.cuda_graph={self.cuda_graph!r} is not one of {CUDA_GRAPH_MODES}")
         if self.eval_interval < 0 or self.eval_batches < 0:
             raise ValueError(f"schedule.eval_interval={self.eval_interval} and eval_batches={self.eval_batches} "
                              f"must be >= 0")

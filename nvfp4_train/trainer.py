@@ -19,6 +19,10 @@ checkpoint written before the streak), spike handling (``spike.*``, off by defau
 the last checkpoint past its data window), evaluation every ``schedule.eval_interval`` steps, and the
 checkpoint policy (every ``checkpoint.interval`` steps, never during a streak of bad steps;
 SIGTERM/SIGUSR1 finish the step, save and return). See docs/reliability.md.
+
+With ``schedule.cuda_graph`` on (``auto``: on CUDA where the layout allows it) the step's forwards and
+backwards are replayed from a CUDA graph (``nvfp4_train.cuda_graph.CudaGraphStep``), the rest of the step eager,
+bitwise the eager step; the trainer then builds and runs everything on one side stream.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import dataclasses
 import importlib
 import logging
 import math
+import contextlib
 import signal
 import time
 import warnings
@@ -39,6 +44,7 @@ import torch
 from nvfp4_train.checkpoint import (check_writable, find_resume_checkpoint, load_checkpoint, save_checkpoint,
                                     start_checkpoint_writer)
 from nvfp4_train.config.compose import check_finite
+from nvfp4_train.cuda_graph import CudaGraphStep, resolve_cuda_graph
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
 from nvfp4_train.optim import optimizer_step
 from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
@@ -310,12 +316,20 @@ class Trainer:
         self._lock: _RunDirLock | None = None
         self.metrics: MetricsLogger | None = None
         self._owns_parallel = False
+        self._stream = None  # the side stream of a run with CUDA graphs (everything runs on it)
         try:
             if parallel_state is None:
                 parallel_state = setup_parallel(cfg.parallel, seed=cfg.experiment.seed)
                 self._owns_parallel = True
             self.ps = parallel_state
-            self._build(cfg, model_provider)
+            self._graphs, self._graph_warning = resolve_cuda_graph(
+                cfg.schedule.cuda_graph, device_type=torch.device(parallel_state.device).type, pp=parallel_state.pp,
+                world_size=parallel_state.world_size, backend=parallel_state.backend,
+                overlap_grad_reduce=cfg.optim.overlap_grad_reduce, overlap_param_gather=cfg.optim.overlap_param_gather)
+            if self._graphs:
+                self._stream = torch.cuda.Stream(device=torch.device(parallel_state.device))
+            with self._on_stream():
+                self._build(cfg, model_provider)
         except BaseException:
             self.close()
             raise
@@ -341,6 +355,10 @@ class Trainer:
         if ps.cpu_compat:  # on CPU the "CUDA" RNG of megatron's tracker IS the CPU RNG: its every-step warning
             logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)  # says nothing
         self._resume_changes: list[tuple[str, dict, str]] = []  # (event, fields, note) logged when run() starts
+        self.cuda_graph: CudaGraphStep | None = None  # made at the end of the build
+        if self._graph_warning:
+            warnings.warn(self._graph_warning, stacklevel=3)
+            self._resume_changes.append(("cuda_graph_fallback", {"reason": self._graph_warning}, self._graph_warning))
         self._lock_run_dir()
 
         sc = cfg.schedule
@@ -435,6 +453,13 @@ class Trainer:
         self.last_loss: float | None = None  # of the latest good step
         self.last_val: float | None = None  # of the latest evaluation
         self._batches = None  # the training batches' iterator, from the current position (made at the first step)
+        if self._graphs:  # after the resume: the device counters start from the restored host counts
+            self.cuda_graph = CudaGraphStep(module, device=self.device, stream=self._stream)
+
+    def _on_stream(self):
+        """The context every step, evaluation, checkpoint and rollback runs in: the side stream of a run with
+        CUDA graphs (see nvfp4_train.cuda_graph), nothing otherwise."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def __enter__(self) -> Trainer:
         return self
@@ -446,6 +471,8 @@ class Trainer:
         """Restore the signal handlers; close the metrics; release the run directory and the process groups
         this trainer set up (idempotent)."""
         self._signals.restore()
+        if getattr(self, "cuda_graph", None) is not None:
+            self.cuda_graph.drop()  # the graph's memory pool
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -543,6 +570,22 @@ class Trainer:
                        num_microbatches=num_micro, seq_length=self.cfg.data.seq_length,
                        micro_batch_size=sc.micro_batch_size, forward_only=forward_only)
 
+    def _graph_fb(self, iterator, finalize: bool):
+        """The training forward-backward as ``CudaGraphStep`` runs it: without ``finalize`` megatron's schedule
+        leaves the gradient synchronisation (``finalize_model_grads``) to :meth:`_finalize_grads`, eager."""
+        if finalize:
+            return self._run_fb(iterator, forward_only=False, num_micro=self.num_micro)
+        fin, self.tconfig.finalize_model_grads_func = self.tconfig.finalize_model_grads_func, None
+        try:
+            return self._run_fb(iterator, forward_only=False, num_micro=self.num_micro)
+        finally:
+            self.tconfig.finalize_model_grads_func = fin
+
+    def _finalize_grads(self) -> None:
+        """What megatron's schedule calls after the last backward (the DP gradient reduction, the
+        sequence-parallel norm all-reduce), with the process groups it defaults to."""
+        self.tconfig.finalize_model_grads_func([self.ddp], None)
+
     def _local_loss(self, losses) -> float:
         """This rank's contribution to the world-summed loss: its DP replica's mean over micro-batches,
         divided by DP, on the last stage's tensor-parallel rank 0; 0 elsewhere."""
@@ -558,17 +601,23 @@ class Trainer:
         return t.tolist()
 
     def evaluate(self) -> float | None:
+        """The mean validation loss over ``schedule.eval_batches`` fixed global batches (eager, also with CUDA
+        graphs; its forwards advance the stochastic-rounding counters as training forwards do). The quantized
+        weights it cached are dropped after it: each training step quantizes its weights in its own first
+        forward, with its own keys (what a captured step does)."""
         if self.valid_ds is None or self.cfg.schedule.eval_batches == 0:
             return None
-        self.ddp.eval()
-        total = 0.0
-        it = iter(self._loader(self.valid_ds, 0))
-        with torch.no_grad():
-            for _ in range(self.cfg.schedule.eval_batches):
-                losses = self._run_fb(it, forward_only=True, num_micro=self.num_micro)
-                total += self._local_loss(losses)
-        self.ddp.train()
-        (val,) = self._allreduce([total / self.cfg.schedule.eval_batches])
+        with self._on_stream():
+            self.ddp.eval()
+            total = 0.0
+            it = iter(self._loader(self.valid_ds, 0))
+            with torch.no_grad():
+                for _ in range(self.cfg.schedule.eval_batches):
+                    losses = self._run_fb(it, forward_only=True, num_micro=self.num_micro)
+                    total += self._local_loss(losses)
+            self.ddp.train()
+            invalidate_weight_caches(_unwrap(self.ddp))
+            (val,) = self._allreduce([total / self.cfg.schedule.eval_batches])
         return val
 
     def _rollback_reserve(self) -> int:
@@ -619,6 +668,8 @@ class Trainer:
         self.step = tstate["step"]
         if tstate.get("rank_extra"):
             set_quant_rng_counters(_unwrap(self.ddp), tstate["rank_extra"].get("quant_calls", {}))
+        if self.cuda_graph is not None:  # the device counters follow (in place: no new capture)
+            self.cuda_graph.sync_counters()
         self.skipped_steps = tstate.get("skipped_steps", 0)
         self.spikes = SpikeDetector(self.cfg.spike)
         if tstate.get("spike"):
@@ -631,7 +682,8 @@ class Trainer:
         window [first, end) in training samples."""
         gbs = self.cfg.schedule.global_batch_size
         end = self.step * gbs + self.skipped_samples
-        tstate = self._load(path)
+        with self._on_stream():
+            tstate = self._load(path)
         first = tstate["consumed_samples"]
         self.skipped_samples = end - self.step * gbs
         self.rollbacks += 1  # not the checkpoint's count: rollbacks are never undone
@@ -643,10 +695,12 @@ class Trainer:
         meta = {"model": dataclasses.asdict(self.cfg.model), "layout": self.ps.layout(), "step": self.step,
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "time": time.time()}
         t0 = time.time()
-        path = save_checkpoint(self.ckpt_dir, step=self.step, ddp=self.ddp, optimizer=self.optimizer,
-                               trainer_state=self._trainer_state(), config_yaml=self.config_yaml, meta=meta,
-                               keep_last=self.cfg.checkpoint.keep_last, optim_format=self.cfg.checkpoint.optim_format,
-                               rank_extra={"quant_calls": quant_rng_counters(_unwrap(self.ddp))})
+        with self._on_stream():
+            path = save_checkpoint(self.ckpt_dir, step=self.step, ddp=self.ddp, optimizer=self.optimizer,
+                                   trainer_state=self._trainer_state(), config_yaml=self.config_yaml, meta=meta,
+                                   keep_last=self.cfg.checkpoint.keep_last,
+                                   optim_format=self.cfg.checkpoint.optim_format,
+                                   rank_extra={"quant_calls": quant_rng_counters(_unwrap(self.ddp))})
         self.metrics.event("checkpoint", self.step, path=str(path), seconds=round(time.time() - t0, 3))
         self.metrics.note(f"step {self.step}: checkpoint {path}")
         self.last_checkpoint, self.saved_step = str(path), self.step
@@ -665,7 +719,12 @@ class Trainer:
 
         It writes no step record, evaluates and saves nothing, and does not stop on a signal or a streak
         (:meth:`run` does); the precision switch and a telemetry collection log their own records. The first
-        call opens the training data at the current position."""
+        call opens the training data at the current position. With CUDA graphs (``cuda_graph``) the forwards and
+        backwards are replayed from a graph, bitwise the same step."""
+        with self._on_stream():
+            return self._train_step()
+
+    def _train_step(self) -> StepOutcome:
         cfg = self.cfg
         module = _unwrap(self.ddp)
         step = self.step
@@ -687,7 +746,11 @@ class Trainer:
         t0 = time.perf_counter()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._run_fb(self._batches, forward_only=False, num_micro=self.num_micro)
+        if self.cuda_graph is not None:
+            batches = [next(self._batches) for _ in range(self.num_micro)]
+            losses = self.cuda_graph.run(self._graph_fb, batches, self._finalize_grads)
+        else:
+            losses = self._run_fb(self._batches, forward_only=False, num_micro=self.num_micro)
         local = self._local_loss(losses)
         loss, bad_loss, sig = self._allreduce([local, 0.0 if math.isfinite(local) else 1.0,
                                                float(self._signals.signum != 0)])

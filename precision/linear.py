@@ -14,7 +14,11 @@ keys them on the parameter's version counter, which changes exactly when the opt
 micro-batches of one step reuse them. With 2-D tiles the two copies are the same values.
 
 Stochastic rounding draws its bits from the layer's stream (``LinearContext.seed``), the call counter and the
-operand, through the one key function of ``kernels/sr_key.py``: a run is reproducible.
+operand, through the one key function of ``kernels/sr_key.py``: a run is reproducible. The counter is a host
+int (``LinearContext.calls``); with ``LinearContext.call_counter`` set (CUDA graphs, ``nvfp4_train.cuda_graph``)
+a 0-d int64 device tensor counts too, and each forward advances it and computes its operand seeds on the
+device (``nvfp4_train.kernels.sr_key.next_call_seeds``, one launch), so that a replayed graph draws fresh, and the same,
+bits as the host ints would give.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nvfp4_train.kernels.sr_key import OPERANDS, call_seed, operand_seed
+from nvfp4_train.kernels.sr_key import CALL_OPERANDS, OPERANDS, call_seed, next_call_seeds, operand_seed
 from nvfp4_train.precision.operand import Operand, cast_pair, operand_nbytes, qgemm
 from nvfp4_train.precision.recipe import QuantRecipe
 
@@ -52,9 +56,9 @@ class WeightCache:
     row: Operand | None = None
     col: Operand | None = None
 
-    def get(self, weight: torch.Tensor, recipe: QuantRecipe, seed: int, amax_group,
+    def get(self, weight: torch.Tensor, recipe: QuantRecipe, seed, amax_group,
             pad: tuple[int, int] = (0, 0)) -> tuple[Operand, Operand]:
-        """``seed``: the call's ``call_seed`` (used on a miss)."""
+        """``seed``: the call's ``call_seed``, or its device seeds (``LinearContext.next_seed``; used on a miss)."""
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), pad, recipe)
         if key != self.key:
             w = pad_weight(weight.detach(), pad)
@@ -80,21 +84,36 @@ class LinearContext:
     weight_pad: tuple[int, int] = (0, 0)
     weight_cache: WeightCache = field(default_factory=WeightCache)
     calls: int = 0
+    # None, or a 0-d int64 tensor on the layer's device counting the calls as ``calls`` does (see next_seed)
+    call_counter: torch.Tensor | None = None
     saved_bytes: int = 0  # bytes saved for backward by the last forward (for memory accounting)
     # when set (every N steps), called as telemetry.record(operand_name, source, cast, operand) for each
     # quantized operand (see nvfp4_train.precision.telemetry); None costs nothing
     telemetry: Any = None
 
-    def next_seed(self) -> int:
-        """The ``call_seed`` of the next forward (its backward reuses it)."""
+    def next_seed(self) -> int | torch.Tensor:
+        """The ``call_seed`` of the next forward (its backward reuses it). With ``call_counter`` set: the call's
+        operand seeds computed on the device from the counter (int64 [6], ``nvfp4_train.kernels.sr_key.next_call_seeds``,
+        which advances it in place); the host count advances too, so the two stay equal when the device runs
+        what the host launched (a captured graph's launches count once at capture: ``nvfp4_train.cuda_graph``
+        adds each replay's calls to ``calls``)."""
         self.calls += 1
+        if self.call_counter is not None:
+            return next_call_seeds(self.call_counter, self.seed)
         return call_seed(self.seed, self.calls)
 
 
-def _seeds(seed: int, tensor: str) -> tuple[int, int]:
+_SEED_INDEX = {t: (CALL_OPERANDS.index((t, "row")), CALL_OPERANDS.index((t, "col"))) for t in ("W", "x", "dy")}
+
+
+def _seeds(seed, tensor: str) -> tuple:
     """The quantizers' seeds of the rowwise and columnwise copies of ``tensor`` (W, x, dy) in the call whose
-    ``call_seed`` is ``seed``."""
-    return operand_seed(seed, OPERANDS[(tensor, "row")]), operand_seed(seed, OPERANDS[(tensor, "col")])
+    ``call_seed`` is ``seed`` (ints), or whose device seeds are ``seed`` (``LinearContext.next_seed``: 0-d
+    views of it)."""
+    if isinstance(seed, int):
+        return operand_seed(seed, OPERANDS[(tensor, "row")]), operand_seed(seed, OPERANDS[(tensor, "col")])
+    r, c = _SEED_INDEX[tensor]
+    return seed[r], seed[c]
 
 
 class QuantLinearFunction(torch.autograd.Function):

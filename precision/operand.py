@@ -67,7 +67,7 @@ def _hadamard(t: torch.Tensor) -> torch.Tensor:
     return hadamard16(t)
 
 
-def cast_one(t: torch.Tensor, cast: OperandCast, seed: int, amax_group: dist.ProcessGroup | None = None,
+def cast_one(t: torch.Tensor, cast: OperandCast, seed, amax_group: dist.ProcessGroup | None = None,
              engine: str = DEFAULT_GEMM_ENGINE) -> Operand:
     """Cast a 2-D tensor (reduction along its last dim) to one operand. ``engine``: the GEMM engine that
     will consume it (the recipe's ``gemm_engine``); FP4 scales are written swizzled when it resolves to native."""
@@ -100,14 +100,15 @@ def cast_pair(
     t: torch.Tensor,
     row: OperandCast | None,
     col: OperandCast | None,
-    seeds: tuple[int, int],
+    seeds: tuple,
     amax_group: dist.ProcessGroup | None = None,
     engine: str = DEFAULT_GEMM_ENGINE,
 ) -> tuple[Operand | None, Operand | None]:
     """The rowwise operand of ``t`` [R, C] (reduction along C) and the columnwise one (of ``tᵀ``).
 
     ``None`` for a cast skips that copy. ``seeds``: the stochastic-rounding seeds of the two copies
-    (``nvfp4_train.kernels.sr_key.operand_seed``). ``engine``: as for ``cast_one``.
+    (``nvfp4_train.kernels.sr_key.operand_seed``): ints, or 0-d int64 device tensors holding them (the quantizers' ``seed``).
+    ``engine``: as for ``cast_one``.
     """
     row_seed, col_seed = seeds
     if row is not None and col is not None and row.format == col.format == "nvfp4":

@@ -25,7 +25,13 @@ value. A check is 4 kernel launches: the max-reduction max|t| (NaN or +inf exact
 promotion, so times stay exact), ``nan_to_num`` (NaN -> the current time) and a ``minimum`` with the time
 kept so far; the first check after a reset fills a fresh time instead of the ``minimum``. (Before: 10, the
 ``isfinite``/``where`` formulation; counted on CPU as ``scripts/launch_inventory.py`` counts, views excluded.)
-An empty tensor counts as finite and launches nothing. No host sync happens until
+An empty tensor counts as finite and launches nothing.
+Under CUDA graphs (``nvfp4_train.cuda_graph``) the time cannot be a host int (a captured graph would replay the
+same value): :func:`set_device_clock` gives the layers of a model one shared 0-d float64 device counter, which
+every check advances in place, and each layer keeps its first times in two persistent 0-d tensors updated in
+place (``minimum(kept, where(finite, never, clock))``, 5 launches, all captured); reset fills them with "never".
+The times are then the model's own count instead of the global one: the same order, so the same answers.
+No host sync happens until
 :func:`first_nonfinite_layer` is asked: it names the layer that went non-finite first, in forward or
 backward. :func:`reset_nonfinite` clears it.
 
@@ -50,6 +56,7 @@ __all__ = [
     "set_telemetry",
     "collect_telemetry",
     "set_nonfinite_check",
+    "set_device_clock",
     "first_nonfinite_layer",
     "nonfinite_events",
     "reset_nonfinite",
@@ -125,6 +132,17 @@ class LayerTelemetry:
         self.check_nonfinite = True
         self.forward_bad: torch.Tensor | None = None  # float64 0-d: clock time of the first non-finite output
         self.backward_bad: torch.Tensor | None = None  # ... of the first non-finite input gradient
+        self.clock: torch.Tensor | None = None  # the device clock (set_device_clock); None: the host clock
+
+    def set_device_clock(self, clock: torch.Tensor | None) -> None:
+        """Time the non-finite checks by ``clock`` (a 0-d float64 device tensor shared by a model's layers,
+        advanced in place by every check), keeping the first times in persistent tensors; None: the host
+        clock again. Either way the times kept so far are dropped (they are of the other clock)."""
+        self.clock = clock
+        self.forward_bad = self.backward_bad = None
+        if clock is not None:
+            self.forward_bad = torch.full((), _NEVER_F, dtype=torch.float64, device=clock.device)
+            self.backward_bad = torch.full((), _NEVER_F, dtype=torch.float64, device=clock.device)
 
     # -- telemetry: called by QuantLinearFunction through LinearContext.telemetry
     def record(self, name: str, source: torch.Tensor, cast: OperandCast, op: Operand | None) -> None:
@@ -151,16 +169,36 @@ class LayerTelemetry:
         hit = torch.nan_to_num(torch.add(base, amax, alpha=0), nan=float(now))  # base, or now when not finite
         return hit if prev is None else torch.minimum(prev, hit)
 
+    def _first_bad_device(self, kept: torch.Tensor, t: torch.Tensor) -> None:
+        """``kept = min(kept, clock if t has a NaN/±inf else never)`` in place, the clock advanced first: every
+        launch reads and writes device memory only (graph-safe)."""
+        self.clock.add_(1.0)
+        if t.numel() == 0:
+            return
+        amax = torch.linalg.vector_norm(t.detach() if t.requires_grad else t, _INF)
+        hit = torch.where(torch.isfinite(amax), _NEVER_F, self.clock)
+        torch.minimum(kept, hit, out=kept)
+
     def check_output(self, y: torch.Tensor) -> None:
         if self.check_nonfinite:
-            self.forward_bad = self._first_bad(self.forward_bad, y)
+            if self.clock is not None:
+                self._first_bad_device(self.forward_bad, y)
+            else:
+                self.forward_bad = self._first_bad(self.forward_bad, y)
 
     def check_input_grad(self, g: torch.Tensor) -> None:
         if self.check_nonfinite:
-            self.backward_bad = self._first_bad(self.backward_bad, g)
+            if self.clock is not None:
+                self._first_bad_device(self.backward_bad, g)
+            else:
+                self.backward_bad = self._first_bad(self.backward_bad, g)
 
     def reset_nonfinite(self) -> None:
-        self.forward_bad = self.backward_bad = None
+        if self.clock is not None:  # the persistent tensors a captured graph writes
+            self.forward_bad.fill_(_NEVER_F)
+            self.backward_bad.fill_(_NEVER_F)
+        else:
+            self.forward_bad = self.backward_bad = None
 
 
 class _InputGradProbe(torch.autograd.Function):
@@ -215,6 +253,13 @@ def set_nonfinite_check(model: torch.nn.Module, enabled: bool) -> None:
     """Switch the per-layer non-finite check on (the default) or off."""
     for _, m in _layers(model):
         m.quant_telemetry.check_nonfinite = enabled
+
+
+def set_device_clock(model: torch.nn.Module, clock: torch.Tensor | None) -> None:
+    """Time every quantized layer's non-finite checks by the device counter ``clock`` (a 0-d float64 tensor
+    the layers share; see the module docstring), or by the host clock again (None)."""
+    for _, m in _layers(model):
+        m.quant_telemetry.set_device_clock(clock)
 
 
 def nonfinite_events(model: torch.nn.Module) -> list[tuple[int, str, str]]:

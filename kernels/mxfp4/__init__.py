@@ -21,7 +21,7 @@ import torch
 
 from nvfp4_train.kernels._dispatch import use_triton
 from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
-from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.fp4_reference import check_seed, kernel_key
 from nvfp4_train.kernels.mxfp4.reference import (
     BLOCK,
     MXFP4Tensor,
@@ -53,19 +53,22 @@ __all__ = [
 ]
 
 
-def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False,
+def quantize_mxfp4(x: torch.Tensor, stochastic: bool = False, seed: int | torch.Tensor = 0, block_2d: bool = False,
                    swizzled: bool = False) -> MXFP4Tensor:
     """Quantize a 2-D bf16/fp32 tensor to MXFP4, blocks of 32 along the last dim (32x32 tiles when
     ``block_2d``, for weights); ``stochastic`` rounds with 8 random bits per element from a counter-based
-    hash keyed by ``seed``. ``swizzled``: the scales are written in the native GEMM's 128x4-tile layout
-    (``kernels/fp4_layout.py``)."""
+    hash keyed by ``seed`` (an int, or a 0-d int64 tensor holding one on x's device: the same bits,
+    ``nvfp4_train.kernels.fp4_reference.check_seed``). ``swizzled``: the scales are written in the native GEMM's 128x4-tile
+    layout (``kernels/fp4_layout.py``)."""
     check_input(x, block_2d)
     if not use_triton(x):
         return quantize_mxfp4_ref(x, stochastic=stochastic, seed=seed, block_2d=block_2d, swizzled=swizzled)
     from nvfp4_train.kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
+    if not isinstance(seed, int):  # a seed tensor (an int is checked by kernel_key)
+        check_seed(seed, x.device)
     codes, scales, _, _ = quantize_mxfp4_rowcol_triton(
-        x, row_stochastic=stochastic, row_key=seed_key(seed), block_2d=block_2d, swizzled=swizzled
+        x, row_stochastic=stochastic, row_key=kernel_key(seed), block_2d=block_2d, swizzled=swizzled
     )
     return MXFP4Tensor(codes=codes, scales=scales, block_2d=block_2d, swizzled=swizzled)
 
@@ -74,8 +77,8 @@ def quantize_mxfp4_rowcol(
     x: torch.Tensor,
     row_stochastic: bool = False,
     col_stochastic: bool = False,
-    row_seed: int = 0,
-    col_seed: int = 0,
+    row_seed: int | torch.Tensor = 0,
+    col_seed: int | torch.Tensor = 0,
     block_2d: bool = False,
     swizzled: bool = False,
 ) -> tuple[MXFP4Tensor, MXFP4Tensor]:
@@ -93,9 +96,12 @@ def quantize_mxfp4_rowcol(
         )
     from nvfp4_train.kernels.mxfp4.quantize import quantize_mxfp4_rowcol_triton
 
+    for seed in (row_seed, col_seed):
+        if not isinstance(seed, int):  # a seed tensor (an int is checked by kernel_key)
+            check_seed(seed, x.device)
     rc, rs, cc, cs = quantize_mxfp4_rowcol_triton(
         x, write_row=True, write_col=True, row_stochastic=row_stochastic, col_stochastic=col_stochastic,
-        row_key=seed_key(row_seed), col_key=seed_key(col_seed), block_2d=block_2d, swizzled=swizzled,
+        row_key=kernel_key(row_seed), col_key=kernel_key(col_seed), block_2d=block_2d, swizzled=swizzled,
     )
     return (MXFP4Tensor(codes=rc, scales=rs, block_2d=block_2d, swizzled=swizzled),
             MXFP4Tensor(codes=cc, scales=cs, block_2d=block_2d, swizzled=swizzled))

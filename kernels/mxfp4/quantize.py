@@ -26,7 +26,8 @@ from nvfp4_train.kernels.fp4_triton import (
     as_kernel_input,
     e2m1_round_nearest,
     e2m1_round_stochastic,
-    key_arg,
+    launch_keys,
+    load_key,
     load_tile,
     pack_pairs,
     random_bits8,
@@ -71,8 +72,9 @@ def _mxfp4_quantize_kernel(
     M, K, stride_m, stride_k, row_key, col_key,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr,
     BLOCK_2D: tl.constexpr, BF16_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    SWIZZLE: tl.constexpr = False,
+    SWIZZLE: tl.constexpr = False, KEY_PTR: tl.constexpr = False,
 ):
+    """``KEY_PTR``: ``row_key`` / ``col_key`` point to int64 seeds (``load_key``), else they are the keys."""
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
     m0 = (pid // n_k) * BM
@@ -89,7 +91,7 @@ def _mxfp4_quantize_kernel(
             amax = tl.max(_abs_inf(v), axis=2)
         if ROW_SR:
             idx = rm[:, None].to(tl.int64) * K + rk[None, :]
-            rbits = tl.reshape(random_bits8(idx, row_key), [BM, BK // 32, 32])
+            rbits = tl.reshape(random_bits8(idx, load_key(row_key, KEY_PTR)), [BM, BK // 32, 32])
         else:
             rbits = 0
         q, code = _mx_blocks(v, amax, rbits, ROW_SR)
@@ -114,7 +116,7 @@ def _mxfp4_quantize_kernel(
             vt = tl.reshape(xt, [BK, BM // 32, 32])
             if COL_SR:
                 idx = rk[:, None].to(tl.int64) * M + rm[None, :]
-                rbits_t = tl.reshape(random_bits8(idx, col_key), [BK, BM // 32, 32])
+                rbits_t = tl.reshape(random_bits8(idx, load_key(col_key, KEY_PTR)), [BK, BM // 32, 32])
             else:
                 rbits_t = 0
             qt, codet = _mx_blocks(vt, tl.max(_abs_inf(vt), axis=2), rbits_t, COL_SR)
@@ -135,8 +137,8 @@ def quantize_mxfp4_rowcol_triton(
     write_col: bool = False,
     row_stochastic: bool = False,
     col_stochastic: bool = False,
-    row_key: int = 0,
-    col_key: int = 0,
+    row_key=0,
+    col_key=0,
     block_2d: bool = False,
     block_m: int = 64,
     block_k: int = 64,
@@ -146,6 +148,8 @@ def quantize_mxfp4_rowcol_triton(
     """Launch the fused kernel. Inputs are validated by the caller (``nvfp4_train.kernels.mxfp4``). ``swizzled``: both
     copies' scales as the 1-D buffers of the native GEMM's 128x4-tile layout (``kernels/fp4_layout.py``),
     written by the same stores at other addresses; zero padding.
+
+    ``row_key`` / ``col_key``: int keys (``seed_key``) or 0-d int64 seed tensors (``launch_keys``).
 
     Returns (row_codes, row_scales, col_codes, col_scales); absent copies are None.
     """
@@ -159,13 +163,15 @@ def quantize_mxfp4_rowcol_triton(
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(K, block_k),)
     bf16 = x.dtype == torch.bfloat16
+    rkey, ckey, kptr = launch_keys(row_key, col_key, row_stochastic, col_stochastic)
     _mxfp4_quantize_kernel[grid](
         as_kernel_input(x),
         row_codes if write_row else dummy, row_scales if write_row else dummy,
         col_codes if write_col else dummy, col_scales if write_col else dummy,
-        M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
+        M, K, x.stride(0), x.stride(1), rkey, ckey,
         WRITE_ROW=write_row, WRITE_COL=write_col, ROW_SR=row_stochastic, COL_SR=col_stochastic,
-        BLOCK_2D=block_2d, BF16_BITS=bf16, BM=block_m, BK=block_k, SWIZZLE=swizzled, num_warps=num_warps,
+        BLOCK_2D=block_2d, BF16_BITS=bf16, BM=block_m, BK=block_k, SWIZZLE=swizzled, KEY_PTR=kptr,
+        num_warps=num_warps,
         enable_fp_fusion=False,
     )
     return row_codes, row_scales, col_codes, col_scales

@@ -156,7 +156,8 @@ def inverse_scale(code: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4_ref(
-    x: torch.Tensor, stochastic: bool = False, seed: int = 0, block_2d: bool = False, swizzled: bool = False
+    x: torch.Tensor, stochastic: bool = False, seed: int | torch.Tensor = 0, block_2d: bool = False,
+    swizzled: bool = False,
 ) -> MXFP4Tensor:
     """Quantize a 2-D tensor to MXFP4 with blocks of 32 along the last dim, or 32x32 tiles (``block_2d``);
     see the module docstring. ``swizzled``: the scales in the native GEMM's layout (the same values)."""
@@ -215,8 +216,8 @@ def quantize_mxfp4_rowcol_ref(
     x: torch.Tensor,
     row_stochastic: bool = False,
     col_stochastic: bool = False,
-    row_seed: int = 0,
-    col_seed: int = 0,
+    row_seed: int | torch.Tensor = 0,
+    col_seed: int | torch.Tensor = 0,
     block_2d: bool = False,
     swizzled: bool = False,
 ) -> tuple[MXFP4Tensor, MXFP4Tensor]:

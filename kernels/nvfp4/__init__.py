@@ -23,7 +23,7 @@ import torch
 
 from nvfp4_train.kernels._dispatch import use_triton
 from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, GEMM_ENGINES, check_gemm_engine, resolve_gemm_engine
-from nvfp4_train.kernels.fp4_reference import seed_key
+from nvfp4_train.kernels.fp4_reference import check_seed, kernel_key
 from nvfp4_train.kernels.nvfp4.reference import (
     BLOCK,
     NVFP4Tensor,
@@ -85,14 +85,15 @@ def quantize_nvfp4(
     block_2d: bool = False,
     rht: bool = False,
     stochastic: bool = False,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
     amax: torch.Tensor | None = None,
     swizzled: bool = False,
 ) -> NVFP4Tensor:
     """Quantize a 2-D bf16/fp32 tensor to NVFP4, blocks of 16 along the last dim (16x16 tiles when
     ``block_2d``). ``rht`` mixes each 16 consecutive elements of the last dim with the Random Hadamard
     Transform first (pass x^T for a columnwise copy); ``stochastic`` rounds with 8 random bits per
-    element from a counter-based hash keyed by ``seed``. ``amax`` optionally supplies the tensor amax.
+    element from a counter-based hash keyed by ``seed`` (an int, or a 0-d int64 tensor holding one on x's
+    device: the same bits, ``nvfp4_train.kernels.fp4_reference.check_seed``). ``amax`` optionally supplies the tensor amax.
     ``swizzled``: the scales are written in the native GEMM's 128x4-tile layout (``kernels/fp4_layout.py``)."""
     check_input(x, block_2d)
     check_amax(amax)
@@ -101,7 +102,9 @@ def quantize_nvfp4(
                                   swizzled=swizzled)
     from nvfp4_train.kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
 
-    key = seed_key(seed)
+    if not isinstance(seed, int):  # a seed tensor (an int is checked by kernel_key)
+        check_seed(seed, x.device)
+    key = kernel_key(seed)
     if rht and block_2d:
         # an ablation only (RHT on the weight of every GEMM): mix with torch ops, then 2-D tiles
         x = hadamard16_ref(x).to(x.dtype)
@@ -125,8 +128,8 @@ def quantize_nvfp4_rowcol(
     col_rht: bool = False,
     row_stochastic: bool = False,
     col_stochastic: bool = False,
-    row_seed: int = 0,
-    col_seed: int = 0,
+    row_seed: int | torch.Tensor = 0,
+    col_seed: int | torch.Tensor = 0,
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
     swizzled: bool = False,
@@ -134,7 +137,7 @@ def quantize_nvfp4_rowcol(
     """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
     blocks along M, Hadamard-mixed when ``col_rht``, with its own amax). With ``block_2d`` the columnwise
     copy is the rowwise copy transposed (the same values). ``swizzled``: both copies' scales in the native
-    GEMM's layout."""
+    GEMM's layout. ``row_seed`` / ``col_seed``: as ``quantize_nvfp4``'s ``seed``."""
     if not use_triton(x):
         return quantize_nvfp4_rowcol_ref(
             x, block_2d=block_2d, col_rht=col_rht, row_stochastic=row_stochastic,
@@ -144,10 +147,13 @@ def quantize_nvfp4_rowcol(
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
     check_amax(col_amax, "col_amax")
+    for seed in (row_seed, col_seed):
+        if not isinstance(seed, int):  # a seed tensor (an int is checked by kernel_key)
+            check_seed(seed, x.device)
     rc, rs, cc, cs, am = _triton().quantize.quantize_nvfp4_rowcol_triton(
         x, write_row=True, write_col=True, block_2d=block_2d, col_rht=col_rht,
         row_stochastic=row_stochastic, col_stochastic=col_stochastic,
-        row_key=seed_key(row_seed), col_key=seed_key(col_seed), row_amax=row_amax, col_amax=col_amax,
+        row_key=kernel_key(row_seed), col_key=kernel_key(col_seed), row_amax=row_amax, col_amax=col_amax,
         swizzled=swizzled,
     )
     row_am, col_am = am.unbind()  # the views am[0], am[1] in one op

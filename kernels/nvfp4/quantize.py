@@ -49,8 +49,9 @@ from nvfp4_train.kernels.fp4_triton import (
     e2m1_code_rne_lowbyte,
     e2m1_code_sr_lean,
     e4m3_rne_pos_native,
-    key_arg,
+    launch_keys,
     load_as_f32,
+    load_key,
     pack_pairs,
     random_bits8_top,
     round_to_bf16,
@@ -293,9 +294,10 @@ def _quantize_grouped_kernel(
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_2D: tl.constexpr,
     COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, IS_BF16: tl.constexpr,
     NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    ASM: tl.constexpr = False, SWIZZLE: tl.constexpr = False,
+    ASM: tl.constexpr = False, SWIZZLE: tl.constexpr = False, KEY_PTR: tl.constexpr = False,
 ):
-    """``ASM`` (GPU only): the steps that Triton cannot express in one instruction use inline PTX (add.rp,
+    """``KEY_PTR``: ``row_key`` / ``col_key`` point to int64 seeds (``load_key``), else they are the keys.
+    ``ASM`` (GPU only): the steps that Triton cannot express in one instruction use inline PTX (add.rp,
     cvt.rn.bf16x2, prmt). The rowwise encode scales come from the table ``_enc_table`` writes, the columnwise
     ones too for bf16 input (see the column scale). ``SWIZZLE``: both copies' scales are stored in the native
     GEMM's layout (``scale_offset``)."""
@@ -341,7 +343,7 @@ def _quantize_grouped_kernel(
 
     # element counters of the stochastic rounding (mod 2^32, as the reference): row i adds i*K
     rbase = row0.to(tl.uint32) * K.to(tl.uint32) + k.to(tl.uint32)
-    rkey = row_key.to(tl.uint32)
+    rkey = load_key(row_key, KEY_PTR)
 
     if WRITE_ROW or BLOCK_2D:
         if BLOCK_2D:
@@ -459,7 +461,7 @@ def _quantize_grouped_kernel(
                 enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT)
             # counters of x^T [K, M]: k * M + m, row i adds i
             cbase = k.to(tl.uint32) * M.to(tl.uint32) + row0.to(tl.uint32)
-            ckey = col_key.to(tl.uint32)
+            ckey = load_key(col_key, KEY_PTR)
             c0 = _codes(x0 * enc, cbase, ckey, COL_SR, ASM)
             c1 = _codes(x1 * enc, cbase + 1, ckey, COL_SR, ASM)
             c2 = _codes(x2 * enc, cbase + 2, ckey, COL_SR, ASM)
@@ -645,8 +647,8 @@ def quantize_nvfp4_rowcol_triton(
     col_rht: bool = False,
     row_stochastic: bool = False,
     col_stochastic: bool = False,
-    row_key: int = 0,
-    col_key: int = 0,
+    row_key=0,
+    col_key=0,
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
     block_m: int | None = None,
@@ -664,6 +666,9 @@ def quantize_nvfp4_rowcol_triton(
 
     ``swizzled``: both copies' scales as the 1-D buffers of the native GEMM's 128x4-tile
     layout (``kernels/fp4_layout.py``), written by the same stores at other addresses; zero padding.
+
+    ``row_key`` / ``col_key``: int keys (``seed_key``), or 0-d int64 seed tensors on x's device (the kernel
+    loads them and applies ``seed_key``; see ``launch_keys``).
 
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
     ``amax`` holds the (policy-adjusted) row and column amax.
@@ -724,14 +729,15 @@ def quantize_nvfp4_rowcol_triton(
         flags["maxnreg"] = maxnreg
     # the columnwise codes are written as one 64-bit word per 16 elements
     native = _native_cvt(x)
+    rkey, ckey, kptr = launch_keys(row_key, col_key, row_stochastic, col_stochastic)
     _quantize_grouped_kernel[_grid(M, K, block_m, block_k)](
         x, amax_in,
         row_codes if write_row else dummy, row_scales if write_row else dummy,
         col_codes.view(torch.int64) if write_col else dummy, col_scales if write_col else dummy, amax_out,
         enc_tab,
-        M, K, x.stride(0), x.stride(1), key_arg(row_key), key_arg(col_key),
+        M, K, x.stride(0), x.stride(1), rkey, ckey,
         IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0, ASM=native,
-        SWIZZLE=swizzled, **flags,
+        SWIZZLE=swizzled, KEY_PTR=kptr, **flags,
     )
     if write_col and block_2d:
         amax_out[1] = amax_out[0]

@@ -160,3 +160,28 @@ def test_3d_input_and_bias(gen):
     assert y.shape == (4, 8, 16)
     y.sum().backward()
     assert x.grad.shape == x.shape and torch.equal(b.grad, torch.full_like(b, 32.0))
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_sr_all", "mxfp4"])
+def test_device_call_counter_gives_the_host_bits(gen, recipe):
+    """A layer whose LinearContext counts its calls on the device (``call_counter``, what CUDA graphs replay)
+    computes bitwise what the host counter gives, over several calls with the weight cache on, and the two
+    counters stay equal."""
+    if recipe == "nvfp4_sr_all":
+        rec = apply_ablations(named_recipe("nvfp4"), Ablations(stochastic_rounding_all=True))
+    else:
+        rec = named_recipe(recipe)
+    x, w, dy = _inputs(gen, m=64, n=64)  # mxfp4's 32x32 weight tiles
+    seed = int(torch.randint(0, 2**32, (1,), generator=gen, dtype=torch.int64))
+    start = int(torch.randint(0, 2**33, (1,), generator=gen, dtype=torch.int64))
+    host = LinearContext(rec, seed=seed, calls=start)
+    dev = LinearContext(rec, seed=seed, calls=start, call_counter=torch.tensor(start, dtype=torch.int64))
+    for _ in range(3):
+        outs = []
+        for lctx in (host, dev):
+            xi = x.detach().clone().requires_grad_()
+            y = quantized_linear(xi, w, None, lctx)
+            outs.append((y, *torch.autograd.grad(y, (xi, w), dy)))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        assert host.calls == dev.calls == int(dev.call_counter)

@@ -20,6 +20,7 @@ from nvfp4_train.precision.telemetry import (
     first_nonfinite_layer,
     nonfinite_events,
     reset_nonfinite,
+    set_device_clock,
     set_nonfinite_check,
     set_telemetry,
 )
@@ -297,6 +298,41 @@ def test_nonfinite_check_matches_the_isfinite_formulation(monkeypatch):
             if n == 25 and trial % 3 == 2:
                 reset_nonfinite(model)
                 ref = dict.fromkeys(ref)
+
+
+def test_device_clock_gives_the_host_clock_answers(gen, monkeypatch):
+    """The graph-safe check (set_device_clock: a device counter and persistent tensors updated in place, no host
+    int in any launch) names the same layers in the same order as the host clock, over random sequences of
+    checks with resets; its own times count the checks of the model, from 1."""
+    host = [_Layer(f"L{i}") for i in range(3)]
+    dev = [_Layer(f"L{i}") for i in range(3)]
+    hm, dm = torch.nn.ModuleList(host), torch.nn.ModuleList(dev)
+    clock = torch.zeros((), dtype=torch.float64)
+    set_device_clock(dm, clock)
+    kept = [(layer.quant_telemetry.forward_bad, layer.quant_telemetry.backward_bad) for layer in dev]
+    monkeypatch.setattr(tel_mod, "_clock", itertools.count(1))
+    kinds = ["finite"] * 8 + ["inf", "-inf", "nan", "empty"]
+    for n in range(120):
+        i = int(torch.randint(3, (), generator=gen))
+        fwd = bool(torch.randint(2, (), generator=gen))
+        t = _tensor(kinds[int(torch.randint(len(kinds), (), generator=gen))], torch.bfloat16, (4, 8), gen)
+        for layers in (host, dev):
+            tel = layers[i].quant_telemetry
+            (tel.check_output if fwd else tel.check_input_grad)(t)
+        if n % 10 == 9:
+            assert nonfinite_events(dm) == nonfinite_events(hm), n
+            assert int(clock) == n + 1
+        if n % 40 == 39:
+            reset_nonfinite(hm)
+            reset_nonfinite(dm)
+    # the tensors a captured graph writes are the ones the layers keep, also after resets
+    assert all(a is layer.quant_telemetry.forward_bad and b is layer.quant_telemetry.backward_bad
+               for (a, b), layer in zip(kept, dev))
+    with _Ops() as rec:
+        dev[0].quant_telemetry.check_output(torch.ones(4, 8))
+    assert not {"_local_scalar_dense", "item", "is_nonzero", "nonzero"} & set(rec.ops)
+    set_device_clock(dm, None)  # back to the host clock: nothing kept
+    assert all(layer.quant_telemetry.forward_bad is None for layer in dev)
 
 
 def test_nonfinite_times_stay_exact_past_float32(monkeypatch):
