@@ -196,8 +196,12 @@ def test_dequantize_formula(gen):
     s = q.scales.to(torch.float32)
     expect = (vals * s[..., None] * (q.amax / 2688.0)).view(16, 64)
     assert torch.equal(dequantize_nvfp4_ref(q), expect)
-    # and the error is what 4-bit blocks give: relative L2 error well under 0.2 on Gaussian data
-    assert (dequantize_nvfp4_ref(q) - x).norm() / x.norm() < 0.2
+    # and the error is what 4-bit blocks give: relative L2 error well under 0.2 on Gaussian data. A statistic
+    # (no bound below 0.67 holds for every input: an element may round to zero), so it is checked on fixed
+    # draws, its own seeded generator: 0.092, measured 2026-12-02 at cb98560 (the reference's elementwise
+    # arithmetic on CPU: the same on every machine; over seeds 1-300: mean 0.095, max 0.102)
+    xf = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    assert (dequantize_nvfp4_ref(quantize_nvfp4_ref(xf)) - xf).norm() / xf.norm() < 0.2
 
 
 @pytest.mark.parametrize("shape", [(17, 8), (16, 24)])

@@ -8,10 +8,18 @@ while its k-th save (k = 1 or 2) is under way, at a random moment: a random dela
 the commit), or as soon as ``step_N`` exists (the ``latest`` update and the pruning). After each kill the
 newest ``step_*`` must be the killed save if its rename happened and else the one before (none before
 step 1), verify without a warning, and be at or after every checkpoint any process reported; ``latest``
-must name a verified checkpoint; the next process must say it resumed from exactly that step."""
+must name a verified checkpoint; the next process must say it resumed from exactly that step.
+
+The kill goes to the trainer's process group (as Slurm, ``timeout`` and a job's end deliver it), not to the
+trainer alone: megatron-core's checkpoint writer forks worker processes during a save, which inherit the
+run-directory lock's descriptor; a worker orphaned by a kill of the trainer alone can block forever (seen
+2026-12-02 at cb98560: an orphaned writer waiting on a futex 9 minutes after the kill, holding the lock), and
+every restart is then refused as "in use by another run" until it is killed. A test killing the trainer
+alone failed whenever the kill fell where a writer was alive (seed 928945664)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -53,6 +61,28 @@ def _fresh(path: Path, since_ns: int) -> bool:
         return False
 
 
+def _wait_for_the_lock(run_dir: Path, timeout: float = 60) -> None:
+    """Wait until no process holds the killed run's flock on ``<run dir>/.lock`` (released only when its
+    last descriptor closes): the processes of the killed group exit a moment after the signal, and the next
+    process must not find the directory in use."""
+    lock = run_dir / ".lock"
+    if not lock.exists():
+        return
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.time() - t0 < timeout, f"{lock} still locked {timeout}s after the kill"
+                time.sleep(0.05)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def _kill_during_a_save(proc, run_dir: Path, rng: random.Random, log: Path, timeout: float = 120) -> tuple[int, str]:
     """SIGKILL ``proc`` at a random moment of its k-th save (k = 1 or 2). A save of step N starts right after
     the ``train`` record of step N (every step is saved), so the records written by this process count the
@@ -82,60 +112,67 @@ def _kill_during_a_save(proc, run_dir: Path, rng: random.Random, log: Path, time
                         break
                     time.sleep(0.0005)
             assert proc.poll() is None, f"the run ended before its save could be killed:\n{tail(log)}"
-            proc.send_signal(signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: see the module docstring
             proc.wait(timeout=30)
+            _wait_for_the_lock(run_dir)
             return step, (f"{mode} {delay:.3f}s" if mode == "delay" else mode)
         time.sleep(0.002)
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
     raise TimeoutError(f"no save started within {timeout}s:\n{tail(log)}")
 
 
 def test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint(tmp_path):
-    seed = int.from_bytes(os.urandom(4), "little")
+    fixed = os.environ.get("TEST_GEN_SEED")  # replays a schedule, as for the gen fixture (tests/conftest.py)
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
     print(f"[kill schedule seed {seed}]")
     rng = random.Random(seed)
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     root = run_dir / "checkpoints"
     ref = start([*BASE, "checkpoint.interval=0", f"experiment.run_dir={ref_dir}"], log=tmp_path / "ref.log")
 
-    expected_resume = None  # the step the next process must resume from (None: start fresh)
-    outcomes = []
-    for i in range(KILLS):
-        log = tmp_path / f"kill{i}.log"
-        n_resume, n_start = len(_events(run_dir, "resume")), len(_events(run_dir, "start"))
-        proc = start([*BASE, *SAVE_EVERY_STEP, f"experiment.run_dir={run_dir}"], log=log)
-        step, how = _kill_during_a_save(proc, run_dir, rng, log)
-        assert proc.returncode == -signal.SIGKILL
-        resumes = _events(run_dir, "resume")
-        if expected_resume is None:
-            assert len(resumes) == n_resume and len(_events(run_dir, "start")) == n_start + 1, tail(log)
-        else:
-            assert len(resumes) == n_resume + 1 and resumes[-1]["step"] == expected_resume, (outcomes, tail(log))
-        # the newest committed checkpoint: the save that was killed if it got as far as its rename, else the
-        # one before (killed before its rename, or even before its directory was made); one later only if
-        # the random delay outlasted the save
-        committed = [int(p.name.removeprefix("step_")) for p in list_checkpoints(root)]
-        newest = max(committed, default=0)
-        assert step - 1 <= newest <= step + 1, (step, committed)
-        expected_resume = newest
-        outcomes.append((step, how, "renamed" if newest >= step else "not renamed"))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the newest checkpoint is good: no fallback warning
-            found = find_resume_checkpoint("auto", root)
-        # nothing older was lost: every checkpoint the killed runs reported saved is at or before this one
-        assert max((e["step"] for e in _events(run_dir, "checkpoint")), default=0) <= expected_resume
-        if expected_resume == 0:  # killed during the very first save: nothing to resume, start fresh
-            assert found is None and list_checkpoints(root) == [], outcomes
-            expected_resume = None
-            continue
-        assert found == root / step_dir_name(expected_resume), (outcomes, found)
-        assert list_checkpoints(root)[-1] == found and verify_checkpoint(found) == []
-        # `latest` (for people and tools) may lag behind a rename, but names a complete checkpoint; it is
-        # absent only while no save has got as far as writing it
-        if (root / "latest").exists():
-            latest = root / (root / "latest").read_text().strip()
-            assert latest.name <= found.name and verify_checkpoint(latest) == [], (outcomes, latest)
-    print("kills (step of the save, moment, result):", outcomes)
+    try:
+        expected_resume = None  # the step the next process must resume from (None: start fresh)
+        outcomes = []
+        for i in range(KILLS):
+            log = tmp_path / f"kill{i}.log"
+            n_resume, n_start = len(_events(run_dir, "resume")), len(_events(run_dir, "start"))
+            proc = start([*BASE, *SAVE_EVERY_STEP, f"experiment.run_dir={run_dir}"], log=log, new_session=True)
+            step, how = _kill_during_a_save(proc, run_dir, rng, log)
+            assert proc.returncode == -signal.SIGKILL
+            resumes = _events(run_dir, "resume")
+            if expected_resume is None:
+                assert len(resumes) == n_resume and len(_events(run_dir, "start")) == n_start + 1, tail(log)
+            else:
+                assert len(resumes) == n_resume + 1 and resumes[-1]["step"] == expected_resume, (outcomes, tail(log))
+            # the newest committed checkpoint: the save that was killed if it got as far as its rename, else the
+            # one before (killed before its rename, or even before its directory was made); one later only if
+            # the random delay outlasted the save
+            committed = [int(p.name.removeprefix("step_")) for p in list_checkpoints(root)]
+            newest = max(committed, default=0)
+            assert step - 1 <= newest <= step + 1, (step, committed)
+            expected_resume = newest
+            outcomes.append((step, how, "renamed" if newest >= step else "not renamed"))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # the newest checkpoint is good: no fallback warning
+                found = find_resume_checkpoint("auto", root)
+            # nothing older was lost: every checkpoint the killed runs reported saved is at or before this one
+            assert max((e["step"] for e in _events(run_dir, "checkpoint")), default=0) <= expected_resume
+            if expected_resume == 0:  # killed during the very first save: nothing to resume, start fresh
+                assert found is None and list_checkpoints(root) == [], outcomes
+                expected_resume = None
+                continue
+            assert found == root / step_dir_name(expected_resume), (outcomes, found)
+            assert list_checkpoints(root)[-1] == found and verify_checkpoint(found) == []
+            # `latest` (for people and tools) may lag behind a rename, but names a complete checkpoint; it is
+            # absent only while no save has got as far as writing it
+            if (root / "latest").exists():
+                latest = root / (root / "latest").read_text().strip()
+                assert latest.name <= found.name and verify_checkpoint(latest) == [], (outcomes, latest)
+        print("kills (step of the save, moment, result):", outcomes)
+
+    except BaseException:
+        ref.kill()  # no orphaned reference run
+        raise
 
     # the last process runs to the end, saving only there (fewer saves, same steps)
     rc = run([*BASE, "checkpoint.interval=0", f"experiment.run_dir={run_dir}"], log=tmp_path / "final.log")

@@ -152,8 +152,12 @@ def test_init_dt_bias_inverts_softplus_into_range(gen):
     assert bias.dtype == torch.float32 and bias.shape == (4096,)
     assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
     # log-uniform: log dt is uniform on [log 1e-3, log 0.1]; its mean is the midpoint (std of the mean of
-    # 4096 draws: (log 100 / sqrt 12) / 64 = 0.021, so 0.1 is ~5 sigma)
-    assert abs(dt.log().mean().item() - math.log(1e-2)) < 0.1
+    # 4096 draws: (log 100 / sqrt 12) / 64 = 0.021, so 0.1 is ~5 sigma). A statistic, so it is checked on
+    # fixed draws (a seeded generator of its own: on the drawn seed a ~5-sigma bound fails about once in
+    # 10^6 seeds; seed 0: -0.022); the range checks above hold for every draw.
+    fixed = F.softplus(init_dt_bias(4096, dt_min=1e-3, dt_max=0.1, dt_init_floor=1e-4,
+                                    generator=torch.Generator().manual_seed(0)).double())
+    assert abs(fixed.log().mean().item() - math.log(1e-2)) < 0.1
     # the floor applies below dt_min
     floored = F.softplus(init_dt_bias(256, dt_min=1e-6, dt_max=1e-5, dt_init_floor=1e-4, generator=gen).double())
     torch.testing.assert_close(floored, torch.full_like(floored, 1e-4), rtol=1e-5, atol=0)
@@ -163,7 +167,10 @@ def test_init_A_log_and_D(gen):
     A_log = init_A_log(4096, (1.0, 16.0), generator=gen)
     A = A_log.exp()
     assert A_log.dtype == torch.float32 and A.min() >= 1.0 - 1e-6 and A.max() <= 16.0 * (1 + 1e-6)
-    assert abs(A.mean().item() - 8.5) < 0.3  # uniform on [1, 16]: std of the mean 4.33 / 64 = 0.07
+    # uniform on [1, 16]: std of the mean of 4096 draws 4.33 / 64 = 0.07, so 0.3 is ~4.4 sigma: a statistic,
+    # checked on fixed draws (its own seeded generator; seed 0: -0.071; the range checks above hold for every draw)
+    fixed = init_A_log(4096, (1.0, 16.0), generator=torch.Generator().manual_seed(0)).exp()
+    assert abs(fixed.mean().item() - 8.5) < 0.3
     assert torch.equal(init_D(7), torch.ones(7))
     with pytest.raises(ValueError, match="A_init_range"):
         init_A_log(4, (0.0, 16.0))
