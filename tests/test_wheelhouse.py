@@ -14,6 +14,8 @@ import types
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from nvfp4_train import wheelhouse as wh
 
@@ -33,8 +35,8 @@ def _cc_flags(text: str, cuda: str) -> list[str]:
     ns = {
         "torch": types.SimpleNamespace(__version__="2.11.0", version=types.SimpleNamespace(hip=None)),
         "SKIP_CUDA_BUILD": False, "CUDA_HOME": "/usr/local/cuda", "PACKAGE_NAME": "causal_conv1d",
-        "Version": wh.Version, "check_if_cuda_home_none": lambda name: None,
-        "get_cuda_bare_metal_version": lambda cuda_dir: ("", wh.Version(cuda)),
+        "Version": Version, "check_if_cuda_home_none": lambda name: None,
+        "get_cuda_bare_metal_version": lambda cuda_dir: ("", Version(cuda)),
     }
     exec(compile(text, str(FIXTURE), "exec"), ns)
     return ns["cc_flag"]
@@ -103,7 +105,7 @@ def test_parse_cuda_archs():
         with pytest.raises(ValueError, match="--cuda-arch"):
             wh.parse_cuda_archs(bad)
     # The local label makes a valid version that the pyproject pin still accepts.
-    assert wh.Version("1.7.0+sm90.sm100") in wh.SpecifierSet("==1.7.0")
+    assert Version("1.7.0+sm90.sm100") in SpecifierSet("==1.7.0")
 
 
 def _sdist(directory: Path, filename: str, top: str, name: str, version: str, setup: str) -> Path:
