@@ -2,7 +2,6 @@
 """Helper of scripts/wheelhouse.sh (and scripts/gpu_env.sh): what uv and pip cannot do themselves.
 
 Subcommands
-  spec NAME             print the pyproject requirement of NAME (project deps or the `gpu` extra)
   inputs --work DIR ... write DIR/excludes.txt, DIR/constraints.txt and DIR/uv.toml for `uv pip compile` from what
                         the target already has; print the packages it must not emit (one a line)
   check-site SITE       (on the GPU machine) warn about requirements of the wheels installed in SITE that
@@ -23,11 +22,11 @@ import tarfile
 from pathlib import Path
 
 try:
-    from packaging.requirements import Requirement
+    from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
     from packaging.version import InvalidVersion, Version
 except ImportError:  # pip always vendors packaging
-    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
     from pip._vendor.packaging.utils import InvalidSdistFilename, canonicalize_name, parse_sdist_filename
     from pip._vendor.packaging.version import InvalidVersion, Version
 
@@ -91,33 +90,10 @@ def note(msg: str):
     print(f"wheelhouse: {msg}", file=sys.stderr)
 
 
-# --------------------------------------------------------------------------------------------- pyproject
-def project_requirements(pyproject: Path, extras=("gpu",)) -> list[Requirement]:
-    try:
-        import tomllib
-    except ImportError:  # Python < 3.11
-        from pip._vendor import tomli as tomllib
-    with open(pyproject, "rb") as f:
-        proj = tomllib.load(f)["project"]
-    reqs = [Requirement(r) for r in proj.get("dependencies", [])]
-    for extra in extras:
-        if extra not in proj.get("optional-dependencies", {}):
-            die(f"{pyproject} has no optional-dependencies extra '{extra}'")
-        reqs += [Requirement(r) for r in proj["optional-dependencies"][extra]]
-    return reqs
-
-
-def cmd_spec(a):
-    for r in project_requirements(Path(a.pyproject)):
-        if cname(r.name) == cname(a.name):
-            print(str(r))
-            return
-    die(f"{a.name} is not in {a.pyproject} (dependencies or the gpu extra)")
-
-
 # --------------------------------------------------------------------------------------------- what the target has
 def read_present(files: list[str], minimal: bool) -> dict[str, str | None]:
-    """name -> version (None when unknown). Accepts `pip list --format=freeze` / `pip freeze` output or bare names."""
+    """name -> version (None when unknown): with `minimal` the H200 image's list, then each file's lines
+    (`pip list --format=freeze` / `pip freeze` output: NAME==VERSION, NAME @ URL, or a bare NAME)."""
     present: dict[str, str | None] = {}
     if minimal:
         present.update((cname(n), None) for n in H200_PRESENT_NAMES)
@@ -127,64 +103,52 @@ def read_present(files: list[str], minimal: bool) -> dict[str, str | None]:
             line = raw.split("#", 1)[0].strip()
             if not line or line.startswith("-"):
                 continue
-            m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:===?\s*(\S+))?", line)
-            if m:
-                present[cname(m.group(1))] = m.group(2)
-                continue
-            m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*@", line)
-            if m:  # `name @ url`: present, version unknown
-                present.setdefault(cname(m.group(1)), None)
-                continue
-            m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s+(\S+)", line)  # `pip list` columns
-            if m and m.group(1).lower() != "package" and not set(m.group(2)) <= {"-"}:
-                present[cname(m.group(1))] = m.group(2)
-                continue
-            die(f"{f}: cannot read line {raw!r} (want NAME, NAME==VERSION or `pip list` columns)")
+            try:
+                req = Requirement(line)
+            except InvalidRequirement:
+                die(f"{f}: cannot read line {raw!r} (want NAME, NAME==VERSION or NAME @ URL)")
+            pins = [x.version for x in req.specifier if x.operator in ("==", "===")]
+            present[cname(req.name)] = pins[0] if len(pins) == 1 and not req.url else None
     return present
 
 
 def uv_inputs(present: dict[str, str | None], *, carry=(), with_torch=False, with_mamba3=False,
-              with_causal_conv1d=False, torch_version="", triton_version="") -> dict:
-    """What `uv pip compile` needs to resolve for a target that already has `present`.
-
-    Returns {"excludes": names left out of the resolution (the target has them at an unknown version, or they are
-    not carried: mamba-ssm's Mamba-3 requirements, causal-conv1d unless built), "pins": name -> public version of
-    what the target has at a known version, resolved against exactly that version without its own requirements
-    (uv's dependency-metadata), and never emitted}. Unless with_torch, torch and triton are such pins (from
-    torch_version/triton_version, else from `present`); with_torch resolves and carries them and their CUDA
-    libraries (nvidia-*, cuda-*) like any other requirement."""
-    carry = {cname(c) for c in carry}
-    present = {cname(n): v for n, v in present.items() if cname(n) not in carry}
+              with_causal_conv1d=False, torch_version="", triton_version="") -> tuple[list[str], dict[str, str]]:
+    """What `uv pip compile` needs for a target that already has `present` (name -> version or None):
+    (excludes, pins). Excludes are left out of the resolution: what the target has at an unknown version, mamba-ssm's
+    Mamba-3 requirements unless with_mamba3, causal-conv1d unless with_causal_conv1d. Pins (name -> public version)
+    are what the target has at a known version: resolved against exactly that version, without its requirements,
+    and not emitted. torch and triton are pins (torch_version/triton_version, else present's) unless with_torch:
+    then they are carried with their CUDA libraries (nvidia-*, cuda-*). `carry` names are resolved and carried."""
+    drop = {cname(c) for c in carry}
+    present = {cname(n): v for n, v in present.items() if cname(n) not in drop}
     if with_torch:
-        present = {n: v for n, v in present.items()
-                   if n not in TORCH_GROUP and not n.startswith(("nvidia-", "cuda-"))}
+        present = {n: v for n, v in present.items() if n not in TORCH_GROUP and not n.startswith(("nvidia-", "cuda-"))}
     else:
-        for n, v in (("torch", torch_version), ("triton", triton_version)):
-            present[n] = v or present.get(n)
+        present.update(torch=torch_version or present.get("torch"), triton=triton_version or present.get("triton"))
+        for n in TORCH_GROUP:
             if not present[n]:
                 die(f"no {n} version to resolve against: pass --{n}-version (the cluster's {n})")
-    pins, excludes = {}, [n for n, v in present.items() if not v]
-    for n, v in present.items():
+    excludes = {n for n, v in present.items() if not v} | ({"causal-conv1d"} if not with_causal_conv1d else set())
+    pins = {}
+    for n, v in sorted(present.items()):
         if v:
             try:
                 pins[n] = Version(v).public  # 2.11.0+cu130 -> 2.11.0, the release the index has
             except InvalidVersion:
                 die(f"the target's {n}=={v} is not a PEP 440 version (give it without a version)")
-    excludes += [] if with_mamba3 else list(MAMBA3_GROUP)
-    excludes += [] if with_causal_conv1d else ["causal-conv1d"]
-    return {"excludes": sorted(set(excludes)), "pins": dict(sorted(pins.items()))}
+    return sorted(excludes | (set() if with_mamba3 else set(MAMBA3_GROUP))), pins
 
 
 def cmd_inputs(a):
     present = read_present(a.skip_present, a.minimal)
-    # The cluster's torch/triton: --torch-version, else the skip list, else the build interpreter's.
-    torch_v, triton_v = (explicit or present.get(n) or local for n, explicit, local in
-                         (("torch", a.torch_version, a.local_torch_version),
-                          ("triton", a.triton_version, a.local_triton_version)))
-    got = uv_inputs(present, carry=a.carry, with_torch=a.with_torch, with_mamba3=a.with_mamba3,
-                    with_causal_conv1d=a.with_causal_conv1d, torch_version=torch_v, triton_version=triton_v)
-    work, pins = Path(a.work), got["pins"]
-    (work / "excludes.txt").write_text("".join(f"{n}\n" for n in got["excludes"]))
+    for n, local in (("torch", a.local_torch_version), ("triton", a.local_triton_version)):
+        present[n] = present.get(n) or local or None  # the skip list's, else the build interpreter's
+    excludes, pins = uv_inputs(present, carry=a.carry, with_torch=a.with_torch, with_mamba3=a.with_mamba3,
+                               with_causal_conv1d=a.with_causal_conv1d, torch_version=a.torch_version,
+                               triton_version=a.triton_version)
+    work = Path(a.work)
+    (work / "excludes.txt").write_text("".join(f"{n}\n" for n in excludes))
     (work / "constraints.txt").write_text("".join(f"{n}=={v}\n" for n, v in pins.items()))
     (work / "uv.toml").write_text("".join(f'[[dependency-metadata]]\nname = "{n}"\nversion = "{v}"\n'
                                           f'requires-dist = []\n\n' for n, v in pins.items()))
@@ -227,17 +191,11 @@ def arch_local_version(archs: list[str]) -> str:
 
 
 def restrict_gencode(setup_py_text: str, archs: list[str], filename: str = "setup.py") -> str:
-    """Rewrite causal-conv1d's setup.py so that the nvcc `-gencode` flags it appends are exactly
-    `arch=compute_XX,code=sm_XX` for XX in archs.
-
-    causal-conv1d 1.7.0 appends them as one block of `cc_flag.append("-gencode")` /
-    `cc_flag.append("arch=compute_XX,code=sm_XX")` lines, some under `if bare_metal_version >= Version("..."):`
-    (sm_75 ... sm_121 with CUDA 13). That whole block, the ifs included, is replaced by the same kind of lines for
-    archs only; everything else is kept. Anything unexpected (no such block, a line inside it of another kind, an
-    `if` whose body goes on past the block, gencode flags elsewhere in the file) raises GencodeError naming the file,
-    rather than letting a future version build all its architectures silently. torch's cpp_extension adds no
-    architecture flags of its own when the nvcc flags already name one (`arch` in a flag), so these are the only
-    ones compiled."""
+    """Rewrite causal-conv1d 1.7.0's setup.py so that the nvcc `-gencode` flags it appends are exactly
+    `arch=compute_XX,code=sm_XX` for XX in archs: its one block of `cc_flag.append("-gencode")` /
+    `cc_flag.append("arch=compute_XX,code=sm_XX")` lines, the `if bare_metal_version >= Version("..."):` among them
+    included, becomes such lines for archs only; everything else is kept. Anything unexpected raises GencodeError
+    naming the file rather than letting another version build all its architectures (docs/wheelhouse.md)."""
     if not archs:
         raise ValueError("restrict_gencode: no architectures given")
     for a in archs:
@@ -420,7 +378,6 @@ def main(argv=None):
             s.add_argument(*flags.split(), **kw)
 
     flag, many, req = dict(action="store_true"), dict(action="append", default=[]), dict(required=True)
-    command("spec", cmd_spec, ("name", {}), ("--pyproject", dict(default="pyproject.toml")))
     command("inputs", cmd_inputs, ("--work", req), ("--minimal", flag), ("--skip-present", many), ("--carry", many),
             ("--with-torch", flag), ("--with-mamba3", flag), ("--with-causal-conv1d", flag),
             *((f"--{x}", dict(default="")) for x in ("torch-version", "triton-version", "local-torch-version",

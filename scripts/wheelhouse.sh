@@ -1,13 +1,39 @@
 #!/usr/bin/env bash
 # Build an offline wheelhouse of this project's Python dependencies for another interpreter and platform, so that
 # an air-gapped GPU machine installs with `pip install --no-index --no-deps --find-links DIR -r DIR/requirements.txt`
-# (or `source scripts/gpu_env.sh DIR` on our H200 machine). docs/wheelhouse.md explains it; --help lists options.
+# (or `source scripts/gpu_env.sh DIR` on our H200 machine). docs/wheelhouse.md explains it.
 #   1. builds here what PyPI has only as sdists (mamba-ssm as a pure-Python wheel, antlr4-python3-runtime, and with
 #      --with-causal-conv1d the CUDA extension causal-conv1d);
 #   2. resolves pyproject.toml ([project.dependencies] + the `gpu` extra) for the target with `uv pip compile`,
 #      leaving out what the target already has (torch and triton always, unless --with-torch);
 #   3. downloads that set with `pip download --no-deps` into --out, writes --out/requirements.txt, and has pip
 #      check offline that every wheel installs on the target.
+#
+# usage: scripts/wheelhouse.sh [options]
+#   --python X.Y[.Z]       target CPython version (default 3.12)
+#   --platform TAG         target platform, manylinux_2_N_ARCH (default manylinux_2_28_x86_64)
+#   --out DIR              where the wheels go (default wheelhouse/); its old *.whl files are replaced
+#   --minimal              leave out what our H200 image already has (its package list in nvfp4_train/wheelhouse.py)
+#   --skip-present FILE    leave out what FILE lists: the target's `python3 -m pip list --format=freeze` (exact:
+#                          resolves against those versions) or bare names (assumed compatible); repeatable
+#   --carry NAME           carry NAME although the skip list says the target has it; repeatable
+#   --with-torch           also carry torch, triton and their CUDA libraries (default: the cluster's own)
+#   --with-mamba3          also carry tilelang, apache-tvm-ffi, quack-kernels (only mamba-ssm's Mamba-3 imports them)
+#   --with-causal-conv1d   build causal-conv1d==<pyproject pin> as a CUDA extension (needs --build-python with
+#                          Python X.Y and a CUDA torch of the cluster's version, and nvcc). A wheel of it already in
+#                          --out is reused.
+#   --sdist FILE           build causal-conv1d from this local sdist (causal_conv1d-<pin>.tar.gz), no download
+#   --cuda-arch LIST       build causal-conv1d for these GPU architectures only (90 = sm_90, the H200; 90,100);
+#                          the wheel's version gets a local label (1.7.0+sm90). Default: its own 9
+#   --only-causal-conv1d   build just the causal-conv1d wheel into --out, replacing a causal_conv1d wheel there and
+#                          its requirements.txt line; nothing else is built, resolved or downloaded
+#   --build-python PY      interpreter that builds the sdists and runs pip (default .venv/bin/python, else python3);
+#                          it needs torch (any build; CUDA for causal-conv1d), setuptools and packaging
+#   --torch-version V      the cluster's torch, resolved against but not carried (default: from the skip list,
+#                          else the build interpreter's torch)
+#   --triton-version V     likewise for triton
+#   --keep-work            keep the temporary work folder (printed) for inspection
+# Needs uv (the dev extra; next to --build-python, on PATH, or as `PY -m uv`), except --only-causal-conv1d.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,35 +41,11 @@ HELPER="$REPO/nvfp4_train/wheelhouse.py"
 # Sdist-only pure-Python dependencies, built here: hydra-core 1.3 pins antlr4-python3-runtime==4.9.*, whose only
 # release file on PyPI is a 4.9.3 sdist.
 SDIST_ONLY_PURE=("antlr4-python3-runtime==4.9.*")
-
-usage() {
-  cat <<'EOF'
-usage: scripts/wheelhouse.sh [options]
-  --python X.Y[.Z]       target CPython version (default 3.12)
-  --platform TAG         target platform, manylinux_2_N_ARCH (default manylinux_2_28_x86_64)
-  --out DIR              where the wheels go (default wheelhouse/); its old *.whl files are replaced
-  --minimal              leave out what our H200 image already has (its package list in nvfp4_train/wheelhouse.py)
-  --skip-present FILE    leave out what FILE lists: the target's `python3 -m pip list --format=freeze` (exact:
-                         resolves against those versions) or bare names (assumed compatible); repeatable
-  --carry NAME           carry NAME although the skip list says the target has it; repeatable
-  --with-torch           also carry torch, triton and their CUDA libraries (default: the cluster's own)
-  --with-mamba3          also carry tilelang, apache-tvm-ffi, quack-kernels (only mamba-ssm's Mamba-3 imports them)
-  --with-causal-conv1d   build causal-conv1d==<pyproject pin> as a CUDA extension (needs --build-python with
-                         Python X.Y and a CUDA torch of the cluster's version, and nvcc). A wheel of it already in
-                         --out is reused.
-  --sdist FILE           build causal-conv1d from this local sdist (causal_conv1d-<pin>.tar.gz), no download
-  --cuda-arch LIST       build causal-conv1d for these GPU architectures only (90 = sm_90, the H200; 90,100);
-                         the wheel's version gets a local label (1.7.0+sm90). Default: its own 9
-  --only-causal-conv1d   build just the causal-conv1d wheel into --out, replacing a causal_conv1d wheel there and
-                         its requirements.txt line; nothing else is built, resolved or downloaded
-  --build-python PY      interpreter that builds the sdists and runs pip (default .venv/bin/python, else python3);
-                         it needs torch (any build; CUDA for causal-conv1d), setuptools and packaging
-  --torch-version V      the cluster's torch, resolved against but not carried (default: from the skip list,
-                         else the build interpreter's torch)
-  --triton-version V     likewise for triton
-  --keep-work            keep the temporary work folder (printed) for inspection
-Needs uv (the dev extra; found next to --build-python, on PATH, or as `PY -m uv`) except with --only-causal-conv1d.
-EOF
+usage() { sed -n 's/^# \{0,1\}//; /^usage:/,/^Needs uv/p' "${BASH_SOURCE[0]}"; }
+# The pin NAME==VERSION of NAME in pyproject.toml (its dependencies or the gpu extra).
+pin() {
+  grep -o -E "\"$1==[^\"]+\"" "$REPO/pyproject.toml" | tr -d '"' | grep . \
+    || { echo "wheelhouse: error: no \"$1==VERSION\" in $REPO/pyproject.toml" >&2; exit 2; }
 }
 
 PYVER=3.12 PLATFORM=manylinux_2_28_x86_64 OUT=wheelhouse BUILD_PY="" SDIST="" CUDA_ARCH="" KEEP=0 ONLY_CC=0 WITH_CC=0
@@ -75,13 +77,15 @@ if [[ -z $BUILD_PY ]]; then
 fi
 command -v "$BUILD_PY" >/dev/null || { echo "wheelhouse: error: build interpreter '$BUILD_PY' not found" >&2; exit 2; }
 if [[ $WITH_CC == 0 && ( -n $SDIST || -n $CUDA_ARCH ) ]]; then
-  echo "wheelhouse: error: --sdist and --cuda-arch apply to causal-conv1d: add --with-causal-conv1d (or --only-causal-conv1d)" >&2
+  echo "wheelhouse: error: --sdist and --cuda-arch apply to causal-conv1d: add --with-causal-conv1d" \
+    "(or --only-causal-conv1d)" >&2
   exit 2
 fi
 # uv names the platform ARCH-manylinux_2_N; pip download matches tags exactly, so it gets every older manylinux
 # (manylinux2014 stands for 2_17 and brings 2010 and 1 with it) and linux_ARCH (a wheel built here).
 [[ $PLATFORM =~ ^manylinux_2_([0-9]+)_(x86_64|aarch64)$ ]] \
-  || { echo "wheelhouse: error: --platform wants manylinux_2_N_x86_64 or manylinux_2_N_aarch64, got '$PLATFORM'" >&2; exit 2; }
+  || { echo "wheelhouse: error: --platform wants manylinux_2_N_x86_64 or manylinux_2_N_aarch64, got '$PLATFORM'" >&2
+       exit 2; }
 ARCH=${BASH_REMATCH[2]}
 UV_PLATFORM=$ARCH-manylinux_2_${BASH_REMATCH[1]}
 TARGET_ARGS=(--only-binary=:all: --python-version "$PYVER" --implementation cp)
@@ -107,7 +111,7 @@ cd "$REPO"
 # causal-conv1d options, checked before anything else (no torch, no network needed for this).
 CC_LOCAL_LABEL=""
 if [[ $WITH_CC == 1 ]]; then
-  CC_SPEC=$(helper spec causal-conv1d)
+  CC_SPEC=$(pin causal-conv1d)
   CC_VER=${CC_SPEC#*==}
   if [[ -n $CUDA_ARCH ]]; then
     arch_out=$(helper cuda-archs "$CUDA_ARCH") || exit 2
@@ -163,11 +167,14 @@ build_causal_conv1d() {
   fi
   src=$(helper prepare-sdist "$sdist" --spec "$CC_SPEC" --dest "$WORK/ccsrc" ${CUDA_ARCH:+--cuda-arch "$CUDA_ARCH"}) \
     || die "preparing ${sdist##*/} failed (above)"
-  say "building $CC_SPEC from ${sdist##*/} with CUDA $LOCAL_CUDA for ${CUDA_ARCH:+sm_${CUDA_ARCH//,/, sm_} only}${CUDA_ARCH:-its 9 GPU architectures} (version $CC_WVER)"
+  local archs="its 9 GPU architectures"
+  [[ -z $CUDA_ARCH ]] || archs="sm_${CUDA_ARCH//,/, sm_} only"
+  say "building $CC_SPEC from ${sdist##*/} with CUDA $LOCAL_CUDA for $archs (version $CC_WVER)"
   CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_LOCAL_VERSION=$CC_LOCAL_LABEL MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     pipq wheel --no-build-isolation --no-deps --no-index --no-cache-dir -w "$LOCAL" "$src" \
     || die "building $CC_SPEC failed (above)"
-  ls "$LOCAL"/causal_conv1d-"$CC_WVER"-*.whl >/dev/null 2>&1 || die "the build gave no causal_conv1d-$CC_WVER-*.whl: $(ls "$LOCAL")"
+  ls "$LOCAL"/causal_conv1d-"$CC_WVER"-*.whl >/dev/null 2>&1 \
+    || die "the build gave no causal_conv1d-$CC_WVER-*.whl: $(ls "$LOCAL")"
 }
 
 # pip's own verdict, offline and without this machine's pip configuration: every line of REQS installs on the target.
@@ -203,10 +210,11 @@ UV=("$(dirname "$BUILD_PY")/uv")
 it resolves for the target. Install it: $BUILD_PY -m pip install uv (it is in the dev extra)"
 
 # ---------------------------------------------------------------------------------------------------- 1. builds
-MAMBA_SPEC=$(helper spec mamba-ssm)
+MAMBA_SPEC=$(pin mamba-ssm)
 say "building $MAMBA_SPEC as a pure-Python wheel (MAMBA_SKIP_CUDA_BUILD=TRUE)"
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
-  pipq wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$LOCAL" "$MAMBA_SPEC" || die "building $MAMBA_SPEC failed (above)"
+  pipq wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$LOCAL" "$MAMBA_SPEC" \
+  || die "building $MAMBA_SPEC failed (above)"
 for spec in "${SDIST_ONLY_PURE[@]}"; do
   say "building sdist-only pure-Python dependency $spec"
   pipq wheel -q --no-deps --no-cache-dir -w "$LOCAL" "$spec" || die "building $spec failed (above)"
@@ -231,7 +239,8 @@ NO_EMIT=$(helper inputs --work "$WORK" --local-torch-version "$LOCAL_TORCH" --lo
   ${INPUT_ARGS[@]+"${INPUT_ARGS[@]}"}) || exit 1
 UV_ARGS=()
 for n in $NO_EMIT; do UV_ARGS+=(--no-emit-package "$n"); done
-say "resolving for the target with uv pip compile (left out: $(wc -l <"$WORK/excludes.txt") packages, pinned and not emitted: $(wc -l <"$WORK/constraints.txt"))"
+say "resolving for the target with uv pip compile (left out: $(wc -l <"$WORK/excludes.txt") packages; resolved \
+against the target's version, not carried: $(wc -l <"$WORK/constraints.txt"))"
 # --config-file: the pinned packages' metadata (no requirements of their own); uv's index settings then come
 # from UV_INDEX_URL / UV_DEFAULT_INDEX.
 uvq pip compile pyproject.toml --extra gpu --python-version "$PYVER" --python-platform "$UV_PLATFORM" \
@@ -253,9 +262,5 @@ say "pip --no-index --dry-run: all $N wheels install on CPython $PYVER $PLATFORM
 say "wheelhouse $OUT: $(du -sh "$OUT" | cut -f1) ($(du -sb "$OUT" | cut -f1) bytes)"
 SHOW=$OUT
 [[ $OUT == "$REPO"/* ]] && SHOW=${OUT#"$REPO"/}   # inside the checkout: the same relative path on the target
-cat >&2 <<EOF
-== install on the target (no network):
-     python3 -m pip install --no-index --no-deps --find-links $SHOW -r $SHOW/requirements.txt
-   or, without touching the system site-packages (our H200 machine; carry $SHOW):
-     source scripts/gpu_env.sh $SHOW || exit 1
-EOF
+say "install on the target (no network): python3 -m pip install --no-index --no-deps --find-links $SHOW -r \
+$SHOW/requirements.txt, or on our H200 machine (carry $SHOW): source scripts/gpu_env.sh $SHOW || exit 1"
