@@ -57,11 +57,12 @@ bench-linear:
 bench-train:
 	$(GPU_PY) scripts/bench_train.py --cases small slice12b 1.2b --recipes bf16 fp8 nvfp4
 
-wheelhouse:
+# (the venv gives the build its torch and uv)
+wheelhouse: $(STAMP)
 	bash scripts/wheelhouse.sh
 
 # the minimal set our H200 machine lacks, into .whl/ (carried to the device; see docs/wheelhouse.md)
-wheelhouse-h200:
+wheelhouse-h200: $(STAMP)
 	bash scripts/wheelhouse.sh --minimal --out .whl
 
 # the default corpus and its tokens (both steps are cheap when up to date)

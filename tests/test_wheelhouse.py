@@ -1,5 +1,6 @@
 """scripts/wheelhouse.sh's causal-conv1d options (--sdist, --cuda-arch, --only-causal-conv1d) and the helpers in
-nvfp4_train/wheelhouse.py behind them. CPU only, no network: the CUDA build itself is not run here."""
+nvfp4_train/wheelhouse.py behind them and behind the resolution's inputs (what the target has -> uv's excludes,
+constraints and dependency-metadata). CPU only, no network: neither uv, pip's index nor the CUDA build runs here."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import types
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from nvfp4_train import wheelhouse as wh
 
@@ -33,8 +36,8 @@ def _cc_flags(text: str, cuda: str) -> list[str]:
     ns = {
         "torch": types.SimpleNamespace(__version__="2.11.0", version=types.SimpleNamespace(hip=None)),
         "SKIP_CUDA_BUILD": False, "CUDA_HOME": "/usr/local/cuda", "PACKAGE_NAME": "causal_conv1d",
-        "Version": wh.Version, "check_if_cuda_home_none": lambda name: None,
-        "get_cuda_bare_metal_version": lambda cuda_dir: ("", wh.Version(cuda)),
+        "Version": Version, "check_if_cuda_home_none": lambda name: None,
+        "get_cuda_bare_metal_version": lambda cuda_dir: ("", Version(cuda)),
     }
     exec(compile(text, str(FIXTURE), "exec"), ns)
     return ns["cc_flag"]
@@ -103,7 +106,7 @@ def test_parse_cuda_archs():
         with pytest.raises(ValueError, match="--cuda-arch"):
             wh.parse_cuda_archs(bad)
     # The local label makes a valid version that the pyproject pin still accepts.
-    assert wh.Version("1.7.0+sm90.sm100") in wh.SpecifierSet("==1.7.0")
+    assert Version("1.7.0+sm90.sm100") in SpecifierSet("==1.7.0")
 
 
 def _sdist(directory: Path, filename: str, top: str, name: str, version: str, setup: str) -> Path:
@@ -176,6 +179,7 @@ def test_script_validates_the_causal_conv1d_options(tmp_path):
         (["--with-causal-conv1d", "--cuda-arch", "9.0"], "--cuda-arch wants compute capabilities"),
         (["--with-causal-conv1d", "--sdist", str(tmp_path / "nope.tar.gz")], "no such file"),
         (["--only-causal-conv1d", "--sdist", str(old)], "is causal-conv1d 1.6.0, but pyproject pins"),
+        (["--platform", "win_amd64"], "--platform wants manylinux_2_N_x86_64"),
     ]
     for args, msg in cases:
         p = _script(args, tmp_path)
@@ -211,3 +215,54 @@ def test_script_reuses_only_a_wheel_of_the_same_architectures(tmp_path):
     assert p.returncode == 0 and "is already in" in p.stderr, p.stderr[-2000:]
     p = _script(args, tmp_path)  # the full build is not the sm_90 one: it goes on to the build's prerequisites
     assert "is already in" not in p.stderr
+
+
+def test_read_present_reads_freeze_lines(tmp_path, capsys):
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("# pip list --format=freeze\nNumPy==2.5.2\ntorch==2.11.0+cu130\nfoo_bar\n"
+                      "baz @ file:///wheels/baz-1.0-py3-none-any.whl\n-e git+https://x/y.git#egg=y\n\n")
+    assert wh.read_present([str(freeze)], minimal=False) == {
+        "numpy": "2.5.2", "torch": "2.11.0+cu130", "foo-bar": None, "baz": None}
+    minimal = wh.read_present([str(freeze)], minimal=True)
+    assert minimal["transformers"] == "5.17.0" and minimal["pyarrow"] is None and minimal["baz"] is None
+    (tmp_path / "bad.txt").write_text("numpy 2.5.2\n")  # `pip list` columns: not a requirement line
+    with pytest.raises(SystemExit):
+        wh.read_present([str(tmp_path / "bad.txt")], minimal=False)
+    assert "bad.txt: cannot read line 'numpy 2.5.2'" in capsys.readouterr().err
+
+
+def test_uv_inputs_pins_known_versions_and_excludes_the_rest(capsys):
+    present = {"numpy": "2.5.2", "Torch": "2.11.0+cu130", "triton": "3.6.0", "pyarrow": None,
+               "typing_extensions": None, "nvidia-nccl-cu13": None}
+    excludes, pins = wh.uv_inputs(present)
+    assert pins == {"numpy": "2.5.2", "torch": "2.11.0", "triton": "3.6.0"}  # local label dropped
+    assert excludes == sorted(["pyarrow", "typing-extensions", "nvidia-nccl-cu13", "causal-conv1d",
+                               "tilelang", "apache-tvm-ffi", "quack-kernels"])
+    # The explicit cluster versions win; --carry resolves a present package; the optional groups come back.
+    excludes, pins = wh.uv_inputs(present, carry=["PyArrow", "numpy"], with_mamba3=True, with_causal_conv1d=True,
+                                  torch_version="2.10.0", triton_version="3.5.1")
+    assert pins == {"torch": "2.10.0", "triton": "3.5.1"}
+    assert excludes == ["nvidia-nccl-cu13", "typing-extensions"]
+    # --with-torch: torch, triton and the CUDA libraries are resolved and carried, not taken from the target.
+    excludes, pins = wh.uv_inputs(present, with_torch=True)
+    assert pins == {"numpy": "2.5.2"} and "nvidia-nccl-cu13" not in excludes
+    with pytest.raises(SystemExit):
+        wh.uv_inputs({"triton": "3.6.0"})
+    assert "no torch version to resolve against: pass --torch-version" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        wh.uv_inputs({"numpy": "two", "torch": "2.11.0", "triton": "3.6.0"})
+    assert "numpy==two is not a PEP 440 version" in capsys.readouterr().err
+
+
+def test_inputs_command_writes_what_uv_pip_compile_reads(tmp_path, capsys):
+    import tomllib
+
+    wh.main(["inputs", "--work", str(tmp_path), "--minimal", "--local-torch-version", "2.13.0"])
+    no_emit = capsys.readouterr().out.split()
+    constraints = dict(line.split("==") for line in (tmp_path / "constraints.txt").read_text().splitlines())
+    metadata = tomllib.loads((tmp_path / "uv.toml").read_text())["dependency-metadata"]
+    assert constraints == {m["name"]: m["version"] for m in metadata} == {
+        wh.cname(n): v for n, v in wh.H200_PRESENT_VERSIONS.items()}  # the image's torch, not the local one
+    assert all(m["requires-dist"] == [] for m in metadata) and no_emit == list(constraints)
+    excludes = (tmp_path / "excludes.txt").read_text().split()
+    assert "pyarrow" in excludes and "causal-conv1d" in excludes and not set(excludes) & set(constraints)
