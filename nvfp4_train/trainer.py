@@ -32,6 +32,7 @@ import importlib
 import logging
 import math
 import contextlib
+import os
 import signal
 import time
 import warnings
@@ -258,8 +259,30 @@ class RunDirLocked(RuntimeError):
     """Another live run holds the run directory's lock."""
 
 
+# The descriptors of the run-directory locks this process holds. A flock belongs to the open file description,
+# which a forked child shares: megatron-core's checkpoint writer forks workers during a save, and a worker
+# orphaned by a SIGKILL of the trainer kept the lock held, so every restart was refused. Forked children close
+# these descriptors at once (``os.register_at_fork``); the parent's lock is unaffected.
+_HELD_LOCK_FDS: set[int] = set()
+
+
+def _close_inherited_lock_fds() -> None:
+    import os
+
+    for fd in _HELD_LOCK_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_lock_fds)
+
+
 class _RunDirLock:
-    """An exclusive ``fcntl.flock`` on ``<run dir>/.lock``, held by rank 0 for the trainer's lifetime.
+    """An exclusive ``fcntl.flock`` on ``<run dir>/.lock``, held by rank 0 for the trainer's lifetime; processes
+    forked from the trainer do not hold it (``_HELD_LOCK_FDS``).
 
     The file holds the holder's pid and host, emptied when the run ends. The kernel releases a flock when its
     process dies (SIGKILL included), so a lock file left by a killed run is not held: the next run takes it
@@ -281,6 +304,7 @@ class _RunDirLock:
             os.close(self.fd)
             raise RunDirLocked(f"run directory {run_dir} is in use by another run ({holder}, lock {self.path}): "
                                f"wait for it to end, or give this run another experiment.run_dir") from None
+        _HELD_LOCK_FDS.add(self.fd)
         self.previous = os.pread(self.fd, 256, 0).decode(errors="replace").strip() or None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
@@ -290,6 +314,7 @@ class _RunDirLock:
 
         if self.fd is not None:
             os.ftruncate(self.fd, 0)  # a lock file left with a holder in it: a run that did not end cleanly
+            _HELD_LOCK_FDS.discard(self.fd)
             os.close(self.fd)  # closing the only descriptor drops the flock
             self.fd = None
 

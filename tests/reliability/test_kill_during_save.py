@@ -11,11 +11,9 @@ step 1), verify without a warning, and be at or after every checkpoint any proce
 must name a verified checkpoint; the next process must say it resumed from exactly that step.
 
 The kill goes to the trainer's process group (as Slurm, ``timeout`` and a job's end deliver it), not to the
-trainer alone: megatron-core's checkpoint writer forks worker processes during a save, which inherit the
-run-directory lock's descriptor; a worker orphaned by a kill of the trainer alone can block forever (seen
-2026-12-02 at cb98560: an orphaned writer waiting on a futex 9 minutes after the kill, holding the lock), and
-every restart is then refused as "in use by another run" until it is killed. A test killing the trainer
-alone failed whenever the kill fell where a writer was alive (seed 928945664)."""
+trainer alone, so that no orphaned checkpoint writer (megatron-core forks them during a save) outlives the
+run and its temporary files; such an orphan does not hold the run-directory lock
+(``tests/trainer/test_run_faults.py::test_a_forked_child_does_not_hold_the_run_directory_lock``)."""
 
 from __future__ import annotations
 

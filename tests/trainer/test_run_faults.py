@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from nvfp4_train.metrics import load_metrics
 from tests.trainer.runs import TINY, env, run, start, tail
 from tests.trainer.test_train_run import _events, _wait_for_step
@@ -58,6 +60,48 @@ def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_ta
     assert run(args, log=tmp_path / "third.log") == 0, tail(tmp_path / "third.log")
     (ev,) = [e for e in _events(out) if e["event"] == "lock_taken_over"]
     assert ev["previous"] == "pid 4242 on host elsewhere"
+
+
+_FORK_AND_HOLD = """
+import os, sys, time
+from pathlib import Path
+from nvfp4_train.trainer import _RunDirLock
+lock = _RunDirLock(Path(sys.argv[1]))
+child = os.fork()
+if child == 0:  # as megatron's checkpoint writer forks its workers during a save
+    time.sleep(600)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
+    """The trainer SIGKILLed while a process it forked lives on (an orphaned checkpoint writer): the lock is free
+    at once. Before, the child shared the flock's open file description and held the lock until it ended, and
+    every restart was refused as "in use by another run"."""
+    import fcntl
+
+    holder = subprocess.Popen([sys.executable, "-c", _FORK_AND_HOLD, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, env=env())
+    child = int(holder.stdout.readline())
+    try:
+        fd = os.open(tmp_path / ".lock", os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):  # held while the trainer lives
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.kill()
+            holder.wait()
+            os.kill(child, 0)  # the forked child is still alive
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and the lock is free
+        finally:
+            os.close(fd)
+    finally:
+        holder.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0(tmp_path):
