@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import pickle
 import resource
 import shutil
@@ -26,18 +25,9 @@ import torch
 
 from nvfp4_train.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint, write_manifest
 from tests.trainer.runs import ROOT, TINY, env, run, tail
+from tests.reliability.payload import Payload
 
 BASE = [*(a for a in TINY if not a.startswith("checkpoint.")), "checkpoint.keep_last=3"]
-
-
-class Payload:
-    """Unpickling this runs ``touch <marker>`` (``os.system``, pickled as ``posix.system``)."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture(scope="module")

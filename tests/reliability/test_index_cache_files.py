@@ -5,7 +5,6 @@ unpickled, and the rebuilt dataset gives exactly the samples of a fresh build.""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import warnings
 from pathlib import Path
@@ -17,19 +16,10 @@ import torch
 from nvfp4_train.data.datasets import DataConfig, build_datasets, check_index_caches
 from nvfp4_train.data.prepare import prepare
 from nvfp4_train.data.tokenizer import BPETokenizer
+from tests.reliability.payload import Payload
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample_text.txt"
 SEQ = 29
-
-
-class Payload:
-    """Unpickling this runs ``touch <marker>`` (``os.system``, pickled as ``posix.system``)."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture(scope="module")
