@@ -97,7 +97,6 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
     from nvfp4_train.models.flops import training_flops_per_token
     from nvfp4_train.precision.megatron_linear import quant_layers
     from nvfp4_train.precision.operand import operand_nbytes
-    from nvfp4_train.trainer import _unwrap
 
     _, _, seq, mb, _ = CASES[case]
     cuda = torch.cuda.is_available()
@@ -110,7 +109,7 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
     extra_steps = 2 + (profile_dir is not None) + sync_debug
     with build_trainer(case, recipe, grad_accum=grad_accum, steps=warmup + iters + extra_steps, work_dir=work_dir,
                        nonfinite_check=nonfinite_check, extra=extra) as trainer:
-        module = _unwrap(trainer.ddp)
+        module = trainer.ddp.module  # the model inside megatron's DDP
         mc, lm = trainer.cfg.model, trainer.layer_map
         checked = sum(m.quant_telemetry.check_nonfinite for m in quant_layers(module))
         outcomes = []
