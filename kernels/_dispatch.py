@@ -22,3 +22,17 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return t.device.type == "cpu" and interpret_mode()
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def persistent_grid(x: torch.Tensor, n_tiles: int, per_sm: int = 4) -> tuple[int]:
+    """The grid of a persistent kernel over ``n_tiles`` tiles of ``x``: ``per_sm`` programs per
+    multiprocessor of x's GPU (at most one per tile; 4 programs under the interpreter)."""
+    if x.is_cuda:
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if dev not in _NUM_SMS:
+            _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        return (max(1, min(n_tiles, per_sm * _NUM_SMS[dev])),)
+    return (max(1, min(n_tiles, 4)),)

@@ -131,6 +131,13 @@ def cast_pair(
                 row_amax=row_amax, col_amax=None if block_2d else col_amax, swizzled=_swizzled(t, engine),
             )
             return Operand("nvfp4", r), Operand("nvfp4", c)
+    if row is not None and col is not None and row.format == col.format == "fp8_e4m3" and row.block == col.block:
+        # one read of t for both copies (1x128: x^T requantized in blocks along M; 128x128 and per tensor: the
+        # same values transposed), the same bits as the two casts below (quantize_fp8_rowcol_ref)
+        from nvfp4_train.kernels.fp8 import quantize_fp8_rowcol
+
+        r, c = quantize_fp8_rowcol(t, block=row.block, amax_group=amax_group)
+        return Operand("fp8_e4m3", r), Operand("fp8_e4m3", c)
     r = cast_one(t, row, row_seed, amax_group, engine) if row is not None else None
     c = cast_one(t.t(), col, col_seed, amax_group, engine) if col is not None else None
     return r, c

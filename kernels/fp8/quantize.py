@@ -7,9 +7,11 @@ Blockwise (the paper's baseline), ONE launch, each program owning a [BM, BK] til
     when the columnwise copy is written.
   * 128x128 (weights): BM = BK = 128, one tile per program; the columnwise copy is the same bytes
     transposed with the transposed tile scales, i.e. W in Fprop and W^T in Dgrad are the same values.
-Per tensor, two launches: an amax pass (atomic max, NaN/Inf counted as +Inf, which the cast pass turns
-into the NaN amax of the non-finite policy), then a cast pass that writes the rowwise copy and optionally
-the transposed copy (which needs no new scale).
+Per tensor, two launches: an amax pass (persistent programs, one atomic max each, NaN/Inf counted as +Inf,
+which the cast pass turns into the NaN amax of the non-finite policy), then a cast pass that writes the
+rowwise copy and optionally the transposed copy (which needs no new scale).
+Every copy is computed from the tile as loaded (the columnwise 1x128 blocks reduce over 128 rows of it) and
+the transposed bytes are stored through transposed addresses: no fp32 tile is ever transposed in registers.
 
 Arithmetic per block, as in the reference: ``s = min(448 / amax, FLT_MAX)`` (1 for an all-zero block),
 ``scale_inv = 1 / s``, both correctly rounded divisions (``div_rn``), ``q = e4m3_rne(x * s)`` with the
@@ -25,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nvfp4_train.kernels._dispatch import persistent_grid
 from nvfp4_train.kernels.fp4_triton import as_kernel_input, e4m3_rne, load_tile
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -71,8 +74,8 @@ def _fp8_blockwise_kernel(
             tl.store(row_data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
             tl.store(row_sinv_ptr + (m0 // 128) * (K // 128) + (k0 // 128) + tl.zeros([1, 1], tl.int32), sinv)
         if WRITE_COL:
-            tmask = (rk[:, None] < K) & (rm[None, :] < M)
-            tl.store(col_data_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tmask)
+            # x^T [K, M]: element (k, m) at k * M + m (the store's layout change is Triton's, on the bytes)
+            tl.store(col_data_ptr + rk[None, :] * M + rm[:, None], q, mask=mask)
             tl.store(col_sinv_ptr + (k0 // 128) * (M // 128) + (m0 // 128) + tl.zeros([1, 1], tl.int32), sinv)
     else:
         if WRITE_ROW:
@@ -86,26 +89,35 @@ def _fp8_blockwise_kernel(
             # scale_inv [M, K/128] stored M-major: element (m, kb) at m + kb * M
             tl.store(row_sinv_ptr + rm[:, None] + rkb[None, :] * M, sinv, mask=smask)
         if WRITE_COL:
-            vt = tl.reshape(tl.trans(x), [BK, BM // 128, 128])
-            amax_t = tl.max(_abs_inf(vt), axis=2)  # [BK, BM/128]
+            # x^T's blocks are 128 rows of x: reduce over them in place (no transpose of the fp32 tile), then
+            # store the bytes through transposed addresses
+            v = tl.reshape(x, [BM // 128, 128, BK])
+            amax_t = tl.max(_abs_inf(v), axis=1)  # [BM/128, BK]: block (mb, k) of x^T's row k
             s_t, sinv_t = _fp8_scales(amax_t)
-            qt = tl.reshape(e4m3_rne(vt * s_t[:, :, None]), [BK, BM]).to(tl.uint8)
-            tmask = (rk[:, None] < K) & (rm[None, :] < M)
-            tl.store(col_data_ptr + rk[:, None] * M + rm[None, :], qt, mask=tmask)
+            qt = tl.reshape(e4m3_rne(v * s_t[:, None, :]), [BM, BK]).to(tl.uint8)
+            tl.store(col_data_ptr + rk[None, :] * M + rm[:, None], qt, mask=mask)
             rmb = m0 // 128 + tl.arange(0, BM // 128)
-            smask = (rk[:, None] < K) & (rmb[None, :] < M // 128)
+            smask = (rmb[:, None] < M // 128) & (rk[None, :] < K)
             # scale_inv [K, M/128] stored K-major: element (k, mb) at k + mb * K
-            tl.store(col_sinv_ptr + rk[:, None] + rmb[None, :] * K, sinv_t, mask=smask)
+            tl.store(col_sinv_ptr + rk[None, :] + rmb[:, None] * K, sinv_t, mask=smask)
 
 
 @triton.jit
 def _fp8_amax_kernel(
     x_ptr, amax_ptr, M, K, stride_m, stride_k, BF16_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr
 ):
+    """Persistent: each program folds its tiles into a register tile, reduces it and issues ONE atomic max
+    (one per tile serializes thousands of atomics on one address)."""
     pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     n_k = tl.cdiv(K, BK)
-    x, rm, rk, mask = load_tile(x_ptr, (pid // n_k) * BM, (pid % n_k) * BK, M, K, stride_m, stride_k, BM, BK, BF16_BITS)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_inf(x), axis=1), axis=0))
+    n_tiles = tl.cdiv(M, BM) * n_k
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    for tile in range(pid, n_tiles, nprog):
+        x, rm, rk, mask = load_tile(x_ptr, (tile // n_k) * BM, (tile % n_k) * BK, M, K, stride_m, stride_k,
+                                    BM, BK, BF16_BITS)
+        acc = tl.maximum(acc, _abs_inf(x))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 @triton.jit
@@ -126,8 +138,7 @@ def _fp8_tensorwise_cast_kernel(
     if WRITE_ROW:
         tl.store(row_data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
     if WRITE_COL:
-        tmask = (rk[:, None] < K) & (rm[None, :] < M)
-        tl.store(col_data_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tmask)
+        tl.store(col_data_ptr + rk[None, :] * M + rm[:, None], q, mask=mask)  # x^T: (k, m) at k * M + m
 
 
 def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
@@ -189,12 +200,13 @@ def quantize_fp8_blockwise_triton(
     return row_data, row_sinv, col_data, col_sinv
 
 
-def fp8_amax_triton(x: torch.Tensor, block_m: int = 64, block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+def fp8_amax_triton(x: torch.Tensor, block_m: int = 64, block_k: int = 128, num_warps: int = 8,
+                    per_sm: int = 4) -> torch.Tensor:
     """The raw amax (float32 [1]): max |x| with NaN/Inf counted as +Inf; 0 for an empty tensor."""
     M, K = x.shape
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     if M * K:
-        _fp8_amax_kernel[_grid(M, K, block_m, block_k)](
+        _fp8_amax_kernel[persistent_grid(x, _grid(M, K, block_m, block_k)[0], per_sm)](
             as_kernel_input(x), amax, M, K, x.stride(0), x.stride(1),
             BF16_BITS=x.dtype == torch.bfloat16, BM=block_m, BK=block_k, num_warps=num_warps, **_LAUNCH_OPTS,
         )
@@ -219,7 +231,7 @@ def quantize_fp8_tensorwise_triton(
     row_data = torch.empty((M, K), dtype=torch.uint8, device=dev) if write_row else None
     col_data = torch.empty((K, M), dtype=torch.uint8, device=dev) if write_col else None
     if amax is None:
-        amax = fp8_amax_triton(x, block_m, block_k, num_warps)
+        amax = fp8_amax_triton(x)
     else:
         amax = amax.to(device=dev, dtype=torch.float32).reshape(1).clone()
     if M * K == 0:

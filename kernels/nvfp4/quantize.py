@@ -57,6 +57,7 @@ from nvfp4_train.kernels.fp4_triton import (
     round_to_bf16,
     round_to_bf16_x2,
 )
+from nvfp4_train.kernels._dispatch import persistent_grid
 from nvfp4_train.kernels.fp4_layout_triton import scale_buffer, scale_offset
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -563,17 +564,8 @@ def _grid(M: int, K: int, BM: int, BK: int) -> tuple[int]:
     return (cdiv(M, BM) * cdiv(K, BK),)
 
 
-_NUM_SMS: dict = {}
-
-
 def _persistent_grid(x: torch.Tensor, M: int, K: int, BM: int, BK: int, per_sm: int = 4) -> tuple[int]:
-    n_tiles = cdiv(M, BM) * cdiv(K, BK)
-    if x.is_cuda:
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if dev not in _NUM_SMS:
-            _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        return (min(n_tiles, per_sm * _NUM_SMS[dev]),)
-    return (min(n_tiles, 4),)
+    return persistent_grid(x, cdiv(M, BM) * cdiv(K, BK), per_sm)
 
 
 # Launch settings (BM rows x BK columns per program, num_warps; the amax pass runs per_sm persistent programs

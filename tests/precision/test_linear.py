@@ -185,3 +185,19 @@ def test_device_call_counter_gives_the_host_bits(gen, recipe):
         for a, b in zip(*outs):
             assert torch.equal(a, b)
         assert host.calls == dev.calls == int(dev.call_counter)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_tensorwise"])
+@pytest.mark.parametrize("tensor", ["x", "W", "dy"])
+def test_fp8_pair_is_the_two_casts(gen, recipe, tensor):
+    """cast_pair takes both FP8 copies of a tensor from one fused read (quantize_fp8_rowcol); they are bit for
+    bit the two separate casts (the rowwise copy of t, and t^T cast on its own)."""
+    r = named_recipe(recipe)
+    row, col = {"x": (r.fprop.a, r.wgrad.b), "W": (r.fprop.b, r.dgrad.b), "dy": (r.dgrad.a, r.wgrad.a)}[tensor]
+    t = (torch.randn(256, 384, generator=gen) * 3).to(torch.bfloat16)
+    got = operand_mod.cast_pair(t, row, col, (0, 0))
+    want = (operand_mod.cast_one(t, row, 0), operand_mod.cast_one(t.t(), col, 0))
+    for g, w in zip(got, want):
+        assert g.format == w.format == "fp8_e4m3" and g.data.block == w.data.block
+        assert torch.equal(g.data.data.view(torch.uint8), w.data.data.view(torch.uint8))
+        assert torch.equal(g.data.scale_inv, w.data.scale_inv)
