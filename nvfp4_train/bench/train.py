@@ -22,7 +22,8 @@ during the timed steps; "before step" is the memory held before the first timed 
 buffers, optimizer state); "activations" is the peak minus that, i.e. what the step saved for backward plus
 workspace; "saved by fwd" is what one more step's first forward left allocated (its saved activations and the
 loss), read with ``torch.cuda.memory_allocated`` right before the step and right after that forward (a forward
-hook), less the weight cache's quantized copies made in that forward (reported apart): the activation memory
+hook), less the weight cache's quantized copies made in that forward (reported apart; "-" for a step
+replayed from a CUDA graph, which runs no module hooks): the activation memory
 without backward's transients (gradients, GEMM workspaces, dequantized operands), which the peak holds. Each
 case starts after a garbage collection: the previous case's model and optimizer form
 reference cycles through megatron's hooks and would otherwise stay allocated.
@@ -151,9 +152,12 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
             step()
             hook.remove()
             torch.cuda.synchronize()
-            wcopies = after_fwd["weight_copies"]
-            # the data loader's batch for this step is already on the device before the forward: not counted
-            saved = after_fwd["allocated"] - before_fwd - wcopies
+            if after_fwd:
+                wcopies = after_fwd["weight_copies"]
+                # the data loader's batch for this step is already on the device before the forward: not counted
+                saved = after_fwd["allocated"] - before_fwd - wcopies
+            else:  # a step replayed from a CUDA graph runs no module hooks: nothing to read between fwd and bwd
+                saved = wcopies = None
             logged = [o.time_s for o in outcomes[:iters]]
         else:
             base = peak = saved = wcopies = 0
@@ -172,7 +176,8 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
                    tokens_per_s=tps, logged_tokens_per_s=tokens / statistics.median(logged),
                    tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
                    peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30,
-                   saved_gib=saved / 2**30, weight_copies_gib=wcopies / 2**30,
+                   saved_gib=None if saved is None else saved / 2**30,
+                   weight_copies_gib=None if wcopies is None else wcopies / 2**30,
                    nonfinite_check=nonfinite_check, nonfinite_checked_layers=checked, overrides=list(extra))
         if profile_dir is not None:
             try:  # a profiler failure must not lose the measurements above
@@ -249,11 +254,14 @@ def main() -> int:
         b = base.get(r["case"])
         ratio = f"{r['step_s'] / b['step_s']:.2f}x" if b else "-"
         aratio = f"{r['activation_gib'] / b['activation_gib']:.2f}x" if b and b["activation_gib"] > 0 else "-"
-        sratio = f"{r['saved_gib'] / b['saved_gib']:.2f}x" if b and b["saved_gib"] > 0 else "-"
+        sratio = (f"{r['saved_gib'] / b['saved_gib']:.2f}x" if b and r["saved_gib"] is not None
+                  and (b["saved_gib"] or 0) > 0 else "-")
+        saved = "-" if r["saved_gib"] is None else f"{r['saved_gib']:.2f}"
+        copies = "-" if r["weight_copies_gib"] is None else f"{r['weight_copies_gib']:.2f}"
         print(f"| {r['case']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | {r['step_s'] * 1e3:.1f} | "
               f"{ratio} | {r['tokens_per_s']:,.0f} | {r['logged_tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
               f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['base_gib']:.1f} | {r['activation_gib']:.1f} | "
-              f"{aratio} | {r['saved_gib']:.2f} | {sratio} | {r['weight_copies_gib']:.2f} |")
+              f"{aratio} | {saved} | {sratio} | {copies} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
