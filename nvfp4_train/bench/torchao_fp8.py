@@ -49,6 +49,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,8 @@ def measure_shape(name: str, m: int, k: int, n: int, variants: list[str], device
         finally:
             layer = None
         rows.append(row)
+        # one line per variant as it finishes, so that a run cut short by a time limit keeps what it measured
+        print(json.dumps({"shape": name, **row}), file=sys.stderr, flush=True)
     base = next((r for r in rows if r["variant"] == "bf16" and r["available"]), None)
     for r in rows:
         if r["available"]:
