@@ -62,6 +62,7 @@ the engine and replayed when backward ends, so its stack stops at ``loss.backwar
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/   # + kernel breakdown
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --grad-accum 4   # a step as train.py's small
     python3 scripts/bench_train.py --cases small --recipes bf16 nvfp4 --profile prof/ --sync-debug  # + host syncs
+    python3 scripts/bench_train.py --cases 1.2b --grad-accum 4 --cuda-graph on off   # graphed and eager, one run
     python3 scripts/bench_train.py --quick     # CPU smoke test of the script (tiny model, 2 steps)
 """
 
@@ -80,6 +81,7 @@ import torch
 from nvfp4_train.bench.cases import CASES, build_trainer, cuda_step_times
 from nvfp4_train.bench.profile import print_profile, print_sync_debug, profile_step, sync_debug_step
 from nvfp4_train.metrics import NONFINITE_CHECK_MODES
+from nvfp4_train.schedule import CUDA_GRAPH_MODES
 
 H200_BF16_PEAK = 989.4e12
 
@@ -217,6 +219,10 @@ def main() -> int:
     ap.add_argument("--sync-debug", action="store_true",
                     help="one more step per case/recipe under torch.cuda.set_sync_debug_mode('warn'): every "
                          "host-GPU synchronization with its Python stack")
+    ap.add_argument("--cuda-graph", nargs="+", default=["auto"], choices=CUDA_GRAPH_MODES, metavar="MODE",
+                    help="schedule.cuda_graph for every case and recipe; several modes run each case and recipe "
+                         "under each, in this one process, ratios to BF16 of the same mode (e.g. --cuda-graph on "
+                         "off: graphed and eager in one run); default auto")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="train.py overrides applied to every case (after the case's own), e.g. "
                          "optim.overlap_grad_reduce=true")
@@ -229,36 +235,44 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         work = a.work_dir or Path(tmp)
         for case in a.cases:
-            for recipe in a.recipes:
-                try:
-                    rows.append(bench_case(case, recipe, a.warmup, a.iters, work, a.profile, a.sync_debug,
-                                           a.grad_accum, a.nonfinite_check, tuple(a.overrides)))
-                except Exception as e:  # report and go on: one failing recipe must not hide the others
-                    rows.append(dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300]))
-                r = rows[-1]
-                print(json.dumps(r), flush=True)
-                if "profile" in r:
-                    print_profile(case, recipe, r["profile"])
-                if "sync_debug" in r:
-                    print_sync_debug(case, recipe, r["sync_debug"])
+            for mode in a.cuda_graph:
+                # the case's profile CSVs of each mode apart
+                prof = None if a.profile is None or len(a.cuda_graph) == 1 else a.profile / f"cuda_graph_{mode}"
+                if prof is not None:
+                    prof.mkdir(parents=True, exist_ok=True)
+                for recipe in a.recipes:
+                    try:
+                        r = bench_case(case, recipe, a.warmup, a.iters, work, prof or a.profile, a.sync_debug,
+                                       a.grad_accum, a.nonfinite_check,
+                                       (f"schedule.cuda_graph={mode}", *a.overrides))
+                    except Exception as e:  # report and go on: one failing recipe must not hide the others
+                        r = dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300])
+                    r["cuda_graph"] = mode
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                    label = f"{case} (cuda_graph={mode})" if len(a.cuda_graph) > 1 else case
+                    if "profile" in r:
+                        print_profile(label, recipe, r["profile"])
+                    if "sync_debug" in r:
+                        print_sync_debug(label, recipe, r["sync_debug"])
     print()
-    print("| case | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | logged tokens/s | TFLOP/s | MFU "
+    print("| case | cuda_graph | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | logged tokens/s | TFLOP/s | MFU "
           "| peak GiB | before step GiB | act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 "
           "| quantized weight copies GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    base = {r["case"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {(r["case"], r["cuda_graph"]): r for r in rows if r["recipe"] == "bf16" and "error" not in r}
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | {r['recipe']} | error: {r['error'][:120]} ||||||||||")
+            print(f"| {r['case']} | {r['cuda_graph']} | {r['recipe']} | error: {r['error'][:120]} ||||||||||")
             continue
-        b = base.get(r["case"])
+        b = base.get((r["case"], r["cuda_graph"]))
         ratio = f"{r['step_s'] / b['step_s']:.2f}x" if b else "-"
         aratio = f"{r['activation_gib'] / b['activation_gib']:.2f}x" if b and b["activation_gib"] > 0 else "-"
         sratio = (f"{r['saved_gib'] / b['saved_gib']:.2f}x" if b and r["saved_gib"] is not None
                   and (b["saved_gib"] or 0) > 0 else "-")
         saved = "-" if r["saved_gib"] is None else f"{r['saved_gib']:.2f}"
         copies = "-" if r["weight_copies_gib"] is None else f"{r['weight_copies_gib']:.2f}"
-        print(f"| {r['case']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | {r['step_s'] * 1e3:.1f} | "
+        print(f"| {r['case']} | {r['cuda_graph']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | {r['step_s'] * 1e3:.1f} | "
               f"{ratio} | {r['tokens_per_s']:,.0f} | {r['logged_tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
               f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['base_gib']:.1f} | {r['activation_gib']:.1f} | "
               f"{aratio} | {saved} | {sratio} | {copies} |")
