@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -166,34 +167,47 @@ def fwd_bwd(layer, x, dy) -> None:
     y.backward(dy)
 
 
-def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight: bool) -> dict:
-    from nvfp4_train.precision.megatron_linear import set_weight_cache
-
-    set_weight_cache(layer, reuse_weight)  # off: the layer re-quantizes its weight in every forward
+def time_fwd_bwd(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
+                 reset: Callable[[], None], timer: Timer, warmup: int, iters: int) -> dict:
+    """Forward, backward and total time of ``y = forward(); backward(y)``: medians of ``iters`` synchronized
+    iterations after ``warmup`` (``reset()``, untimed, before each: fresh gradients, a cleared weight cache),
+    and "back to back" (``burst_ms``): the mean of ``iters`` iterations enqueued without a synchronization in
+    between (``reset`` included), as layer after layer in a model; where an iteration's host-side work exceeds
+    its GPU work the two agree, otherwise the back-to-back time is the GPU cost."""
     fwd, bwd, tot = [], [], []
     for i in range(warmup + iters):
-        x.grad = None
-        layer.weight.grad = None
+        reset()
         e0 = timer.mark()
-        y, _ = layer(x)
+        y = forward()
         e1 = timer.mark()
-        y.backward(dy)
+        backward(y)
         e2 = timer.mark()
         timer.sync()
         if i >= warmup:
             fwd.append(timer.ms(e0, e1))
             bwd.append(timer.ms(e1, e2))
             tot.append(timer.ms(e0, e2))
-    # back to back: the host enqueues the next iteration while the GPU still runs this one, as it does layer
-    # after layer in a model; a recipe whose host-side work per iteration exceeds its GPU work stays host-bound
     timer.sync()
     e0 = timer.mark()
     for _ in range(iters):
-        fwd_bwd(layer, x, dy)
+        reset()
+        backward(forward())
     e1 = timer.mark()
     timer.sync()
     return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "ms": statistics.median(tot),
             "burst_ms": timer.ms(e0, e1) / iters}
+
+
+def bench_one(layer, x, dy, timer: Timer, warmup: int, iters: int, reuse_weight: bool) -> dict:
+    from nvfp4_train.precision.megatron_linear import set_weight_cache
+
+    set_weight_cache(layer, reuse_weight)  # off: the layer re-quantizes its weight in every forward
+
+    def reset() -> None:
+        x.grad = None
+        layer.weight.grad = None
+
+    return time_fwd_bwd(lambda: layer(x)[0], lambda y: y.backward(dy), reset, timer, warmup, iters)
 
 
 def profile_one(layer, x, dy, iters: int = 3) -> list[dict]:

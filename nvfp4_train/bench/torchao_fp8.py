@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from nvfp4_train.bench.linear import M_TOKENS, QUICK_M, QUICK_SHAPES, SHAPES, Timer, fmt
+from nvfp4_train.bench.linear import M_TOKENS, QUICK_M, QUICK_SHAPES, SHAPES, Timer, fmt, time_fwd_bwd
 
 VARIANTS = (
     "bf16",
@@ -205,30 +205,16 @@ def check(layer: Layer, x, weight, dy, ref: dict[str, torch.Tensor] | None) -> t
 
 
 def time_layer(layer: Layer, x, weight, dy, timer: Timer, warmup: int, iters: int) -> dict:
-    fwd, bwd, tot = [], [], []
-    for i in range(warmup + iters):
+    """``nvfp4_train.bench.linear.time_fwd_bwd`` of one variant (``before_iter`` and fresh gradients untimed
+    before each synchronized iteration)."""
+
+    def reset() -> None:
         if layer.before_iter is not None:
             layer.before_iter()
         x.grad = None
         weight.grad = None
-        e0 = timer.mark()
-        y = layer.forward(x)
-        e1 = timer.mark()
-        y.backward(dy)
-        e2 = timer.mark()
-        timer.sync()
-        if i >= warmup:
-            fwd.append(timer.ms(e0, e1))
-            bwd.append(timer.ms(e1, e2))
-            tot.append(timer.ms(e0, e2))
-    timer.sync()
-    e0 = timer.mark()
-    for _ in range(iters):  # back to back: no synchronization between iterations
-        _step(layer, x, weight, dy)
-    e1 = timer.mark()
-    timer.sync()
-    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "ms": statistics.median(tot),
-            "burst_ms": timer.ms(e0, e1) / iters}
+
+    return time_fwd_bwd(lambda: layer.forward(x), lambda y: y.backward(dy), reset, timer, warmup, iters)
 
 
 def _reason(e: BaseException, when: str) -> str:
@@ -385,6 +371,20 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _md_row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _time_cells(r: dict) -> tuple[str, ...]:
+    """total ms, its ratio to bf16, back-to-back ms, its ratio: the columns both tables share."""
+    return (fmt(r["ms"], ".3f"), fmt(r.get("time_ratio"), ".2f"), fmt(r["burst_ms"], ".3f"),
+            fmt(r.get("burst_ratio"), ".2f"))
+
+
+def _err_cells(r: dict, prefix: str) -> tuple[str, ...]:
+    return tuple(fmt(r[f"{prefix}{k}_rel_err"], ".3g") for k in ("y", "dx", "dw"))
+
+
 def report(res: dict) -> str:
     ao = res["torchao"] or f"not importable ({res['torchao_error']})"
     lines = [f"# FP8 linear layer fwd+bwd, ours vs torchao ({res['device']}, torch {res['torch']}, torchao {ao}, "
@@ -399,11 +399,8 @@ def report(res: dict) -> str:
             if not r["available"]:
                 lines.append(f"| {r['variant']} | unavailable: {_cell(r['reason'])} ||||||||||")
                 continue
-            lines.append(f"| {r['variant']} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['bwd_ms'], '.3f')} | "
-                         f"{fmt(r['ms'], '.3f')} | {fmt(r['time_ratio'], '.2f')} | {fmt(r['burst_ms'], '.3f')} | "
-                         f"{fmt(r['burst_ratio'], '.2f')} | {fmt(r['y_rel_err'], '.3g')} | "
-                         f"{fmt(r['dx_rel_err'], '.3g')} | {fmt(r['dw_rel_err'], '.3g')} | "
-                         f"{fmt(r['first_call_s'], '.1f')} |")
+            lines.append(_md_row(r["variant"], fmt(r["fwd_ms"], ".3f"), fmt(r["bwd_ms"], ".3f"),
+                                 *_time_cells(r), *_err_cells(r, ""), fmt(r["first_call_s"], ".1f")))
         lines.append("")
         for p in s["pairs"]:
             lines.append(f"- {p['ours']} / {p['torchao']}: " + (
@@ -417,10 +414,7 @@ def report(res: dict) -> str:
         if not t["available"]:
             lines.append(f"| {v} | unavailable on {', '.join(t['unavailable_on'])} |||||||")
             continue
-        lines.append(f"| {v} | {fmt(t['ms'], '.3f')} | {fmt(t.get('time_ratio'), '.2f')} | "
-                     f"{fmt(t['burst_ms'], '.3f')} | {fmt(t.get('burst_ratio'), '.2f')} | "
-                     f"{fmt(t['max_y_rel_err'], '.3g')} | {fmt(t['max_dx_rel_err'], '.3g')} | "
-                     f"{fmt(t['max_dw_rel_err'], '.3g')} |")
+        lines.append(_md_row(v, *_time_cells(t), *_err_cells(t, "max_")))
     lines += ["", "## targets: ours / torchao <= 1 on every shape (synchronized and back to back)", ""]
     for t in res["targets"]:
         per = ", ".join(f"{name} {fmt(p['ratio'], '.3f')} ({fmt(p['burst_ratio'], '.3f')})"
