@@ -22,18 +22,19 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 def test_bench_train_quick(tmp_path):
     """The benchmark builds the trainer of each case (random tokens as an indexed dataset) and times its own
-    ``train_step``; overrides after the options reach every case's config (here: the data order's seed)."""
+    ``train_step``; overrides after the options reach every case's config (here: the data order's seed), and so
+    does the ``--cuda-graph`` mode (each row and the table name it)."""
     out = tmp_path / "bench.json"
     p = _run(["scripts/bench_train.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out),
-              "--work-dir", str(tmp_path / "work"), "data.seed=7"])
+              "--cuda-graph", "off", "--work-dir", str(tmp_path / "work"), "data.seed=7"])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads(out.read_text())
-    assert [r["recipe"] for r in rows] == ["bf16", "nvfp4"]
+    assert [(r["recipe"], r["cuda_graph"]) for r in rows] == [("bf16", "off"), ("nvfp4", "off")]
     assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["logged_tokens_per_s"] > 0 for r in rows)
-    assert "| tiny | nvfp4 |" in p.stdout
+    assert "| tiny | off | nvfp4 |" in p.stdout
     assert all(r["nonfinite_check"] == "every_step" and r["nonfinite_checked_layers"] > 0 for r in rows)
     cfg = (tmp_path / "work" / "tiny_nvfp4" / "config.yaml").read_text()  # the trainer's own run directory
-    assert "seed: 7" in cfg and "nvfp4" in cfg
+    assert "seed: 7" in cfg and "nvfp4" in cfg and "cuda_graph: 'off'" in cfg
 
 
 def test_bench_train_grad_accum_counts_every_micro_batch(tmp_path):

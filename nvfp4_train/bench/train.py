@@ -222,7 +222,8 @@ def main() -> int:
     ap.add_argument("--cuda-graph", nargs="+", default=["auto"], choices=CUDA_GRAPH_MODES, metavar="MODE",
                     help="schedule.cuda_graph for every case and recipe; several modes run each case and recipe "
                          "under each, in this one process, ratios to BF16 of the same mode (e.g. --cuda-graph on "
-                         "off: graphed and eager in one run); default auto")
+                         "off: graphed and eager in one run); default auto. Like --cases and --recipes it takes every word "
+                         "up to the next option: put trailing KEY=VALUE overrides after another option or after --")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="train.py overrides applied to every case (after the case's own), e.g. "
                          "optim.overlap_grad_reduce=true")
