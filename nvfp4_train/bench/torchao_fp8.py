@@ -47,7 +47,6 @@ import argparse
 import importlib
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -178,12 +177,17 @@ assert tuple(BUILDERS) == VARIANTS
 # ------------------------------------------------------------------------------------------------- measurement
 
 
-def _step(layer: Layer, x: torch.Tensor, weight: torch.nn.Parameter, dy: torch.Tensor) -> torch.Tensor:
-    """One iteration: fresh gradients, ``y = f(x)``, ``y.backward(dy)``; returns y."""
+def _reset(layer: Layer, x: torch.Tensor, weight: torch.nn.Parameter) -> None:
+    """Before an iteration: the variant's ``before_iter`` and fresh gradients."""
     if layer.before_iter is not None:
         layer.before_iter()
     x.grad = None
     weight.grad = None
+
+
+def _step(layer: Layer, x: torch.Tensor, weight: torch.nn.Parameter, dy: torch.Tensor) -> torch.Tensor:
+    """One iteration: ``_reset``, ``y = f(x)``, ``y.backward(dy)``; returns y."""
+    _reset(layer, x, weight)
     y = layer.forward(x)
     y.backward(dy)
     return y
@@ -205,16 +209,10 @@ def check(layer: Layer, x, weight, dy, ref: dict[str, torch.Tensor] | None) -> t
 
 
 def time_layer(layer: Layer, x, weight, dy, timer: Timer, warmup: int, iters: int) -> dict:
-    """``nvfp4_train.bench.linear.time_fwd_bwd`` of one variant (``before_iter`` and fresh gradients untimed
-    before each synchronized iteration)."""
-
-    def reset() -> None:
-        if layer.before_iter is not None:
-            layer.before_iter()
-        x.grad = None
-        weight.grad = None
-
-    return time_fwd_bwd(lambda: layer.forward(x), lambda y: y.backward(dy), reset, timer, warmup, iters)
+    """``nvfp4_train.bench.linear.time_fwd_bwd`` of one variant (``_reset`` untimed before each synchronized
+    iteration)."""
+    return time_fwd_bwd(lambda: layer.forward(x), lambda y: y.backward(dy), lambda: _reset(layer, x, weight),
+                        timer, warmup, iters)
 
 
 def _reason(e: BaseException, when: str) -> str:

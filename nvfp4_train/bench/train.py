@@ -222,8 +222,9 @@ def main() -> int:
     ap.add_argument("--cuda-graph", nargs="+", default=["auto"], choices=CUDA_GRAPH_MODES, metavar="MODE",
                     help="schedule.cuda_graph for every case and recipe; several modes run each case and recipe "
                          "under each, in this one process, ratios to BF16 of the same mode (e.g. --cuda-graph on "
-                         "off: graphed and eager in one run); default auto. Like --cases and --recipes it takes every word "
-                         "up to the next option: put trailing KEY=VALUE overrides after another option or after --")
+                         "off: graphed and eager in one run); default auto. Like --cases and --recipes it takes "
+                         "every word up to the next option: put trailing KEY=VALUE overrides after another option "
+                         "or after --")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="train.py overrides applied to every case (after the case's own), e.g. "
                          "optim.overlap_grad_reduce=true")
@@ -257,8 +258,8 @@ def main() -> int:
                     if "sync_debug" in r:
                         print_sync_debug(label, recipe, r["sync_debug"])
     print()
-    print("| case | cuda_graph | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | logged tokens/s | TFLOP/s | MFU "
-          "| peak GiB | before step GiB | act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 "
+    print("| case | cuda_graph | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | logged tokens/s "
+          "| TFLOP/s | MFU | peak GiB | before step GiB | act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 "
           "| quantized weight copies GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["case"], r["cuda_graph"]): r for r in rows if r["recipe"] == "bf16" and "error" not in r}
@@ -273,10 +274,10 @@ def main() -> int:
                   and (b["saved_gib"] or 0) > 0 else "-")
         saved = "-" if r["saved_gib"] is None else f"{r['saved_gib']:.2f}"
         copies = "-" if r["weight_copies_gib"] is None else f"{r['weight_copies_gib']:.2f}"
-        print(f"| {r['case']} | {r['cuda_graph']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | {r['step_s'] * 1e3:.1f} | "
-              f"{ratio} | {r['tokens_per_s']:,.0f} | {r['logged_tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
-              f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['base_gib']:.1f} | {r['activation_gib']:.1f} | "
-              f"{aratio} | {saved} | {sratio} | {copies} |")
+        print(f"| {r['case']} | {r['cuda_graph']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | "
+              f"{r['step_s'] * 1e3:.1f} | {ratio} | {r['tokens_per_s']:,.0f} | {r['logged_tokens_per_s']:,.0f} | "
+              f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['base_gib']:.1f} | "
+              f"{r['activation_gib']:.1f} | {aratio} | {saved} | {sratio} | {copies} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
