@@ -193,6 +193,18 @@ def e4m3_rne(v):
 
 
 @triton.jit
+def e4m3_byte(v, NATIVE: tl.constexpr):
+    """``e4m3_rne(v)`` as uint8. ``NATIVE``: the GPU's own conversion, two values per instruction
+    (``cvt.rn.satfinite.e4m3x2.f32``: nearest-even with subnormals, +-Inf saturating to +-448, NaN -> 0x7F, the
+    sign kept for values that round to zero: what ``e4m3_rne`` computes bit by bit); the bit arithmetic
+    otherwise (the interpreter's fp8 conversion rounds differently)."""
+    if NATIVE:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        return e4m3_rne(v).to(tl.uint8)
+
+
+@triton.jit
 def round_to_bf16(y):
     """Round fp32 values to bf16 (nearest-even) and return them as fp32."""
     bits = u32(y)

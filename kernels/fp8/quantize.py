@@ -14,8 +14,10 @@ Every copy is computed from the tile as loaded (the columnwise 1x128 blocks redu
 the transposed bytes are stored through transposed addresses: no fp32 tile is ever transposed in registers.
 
 Arithmetic per block, as in the reference: ``s = min(448 / amax, FLT_MAX)`` (1 for an all-zero block),
-``scale_inv = 1 / s``, both correctly rounded divisions (``div_rn``), ``q = e4m3_rne(x * s)`` with the
-saturating bit-exact rounding of ``kernels/fp4_triton.py``. Launch options: ``enable_fp_fusion=False``
+``scale_inv = 1 / s``, both correctly rounded divisions (``div_rn``), ``q = e4m3_rne(x * s)``: on the GPU the
+hardware's saturating conversion (``cvt.rn.satfinite.e4m3x2.f32``, two values per instruction; the same RNE,
+subnormals, saturation and NaN byte), under the interpreter the bit arithmetic of ``kernels/fp4_triton.py``
+(``e4m3_byte``). Launch options: ``enable_fp_fusion=False``
 (no FMA contraction) and ``enable_reflect_ftz=False``, so that libdevice's ``div_rn`` keeps subnormal
 results (``scale_inv`` is subnormal when amax < 448 * 2^-126) as the CPU reference does. bf16 input is
 read through its bits (``load_as_f32``), exact for subnormals too.
@@ -28,7 +30,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import persistent_grid
-from nvfp4_train.kernels.fp4_triton import as_kernel_input, e4m3_rne, load_tile
+from nvfp4_train.kernels.fp4_triton import as_kernel_input, e4m3_byte, load_tile
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _LAUNCH_OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -57,7 +59,7 @@ def _fp8_blockwise_kernel(
     x_ptr, row_data_ptr, row_sinv_ptr, col_data_ptr, col_sinv_ptr,
     M, K, stride_m, stride_k,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, TILE_2D: tl.constexpr,
-    BF16_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_k = tl.cdiv(K, BK)
@@ -69,7 +71,7 @@ def _fp8_blockwise_kernel(
         # BM == BK == 128: the tile is one scaling block; [1, 1]-shaped scales broadcast over it
         amax = tl.max(tl.max(_abs_inf(x), axis=1, keep_dims=True), axis=0, keep_dims=True)
         s, sinv = _fp8_scales(amax)
-        q = e4m3_rne(x * s).to(tl.uint8)
+        q = e4m3_byte(x * s, NATIVE)
         if WRITE_ROW:
             tl.store(row_data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
             tl.store(row_sinv_ptr + (m0 // 128) * (K // 128) + (k0 // 128) + tl.zeros([1, 1], tl.int32), sinv)
@@ -82,7 +84,7 @@ def _fp8_blockwise_kernel(
             v = tl.reshape(x, [BM, BK // 128, 128])
             amax = tl.max(_abs_inf(v), axis=2)  # [BM, BK/128]
             s, sinv = _fp8_scales(amax)
-            q = tl.reshape(e4m3_rne(v * s[:, :, None]), [BM, BK]).to(tl.uint8)
+            q = tl.reshape(e4m3_byte(v * s[:, :, None], NATIVE), [BM, BK])
             tl.store(row_data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
             rkb = k0 // 128 + tl.arange(0, BK // 128)
             smask = (rm[:, None] < M) & (rkb[None, :] < K // 128)
@@ -94,7 +96,7 @@ def _fp8_blockwise_kernel(
             v = tl.reshape(x, [BM // 128, 128, BK])
             amax_t = tl.max(_abs_inf(v), axis=1)  # [BM/128, BK]: block (mb, k) of x^T's row k
             s_t, sinv_t = _fp8_scales(amax_t)
-            qt = tl.reshape(e4m3_rne(v * s_t[:, None, :]), [BM, BK]).to(tl.uint8)
+            qt = tl.reshape(e4m3_byte(v * s_t[:, None, :], NATIVE), [BM, BK])
             tl.store(col_data_ptr + rk[None, :] * M + rm[:, None], qt, mask=mask)
             rmb = m0 // 128 + tl.arange(0, BM // 128)
             smask = (rmb[:, None] < M // 128) & (rk[None, :] < K)
@@ -124,7 +126,7 @@ def _fp8_amax_kernel(
 def _fp8_tensorwise_cast_kernel(
     x_ptr, amax_ptr, row_data_ptr, col_data_ptr, sinv_ptr,
     M, K, stride_m, stride_k,
-    WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BF16_BITS: tl.constexpr,
+    WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BF16_BITS: tl.constexpr, NATIVE: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -134,7 +136,7 @@ def _fp8_tensorwise_cast_kernel(
     s, sinv = _fp8_scales(tl.load(amax_ptr + one))  # [1]
     if pid == 0:
         tl.store(sinv_ptr + one, sinv)
-    q = e4m3_rne(x * s[:, None]).to(tl.uint8)
+    q = e4m3_byte(x * s[:, None], NATIVE)
     if WRITE_ROW:
         tl.store(row_data_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
     if WRITE_COL:
@@ -194,7 +196,8 @@ def quantize_fp8_blockwise_triton(
         row_data if write_row else dummy, row_sinv if write_row else dummy_f,
         col_data if write_col else dummy, col_sinv if write_col else dummy_f,
         M, K, x.stride(0), x.stride(1),
-        WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=tile_2d, BF16_BITS=bf16, BM=bm, BK=bk,
+        WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=tile_2d, BF16_BITS=bf16, NATIVE=x.is_cuda,
+        BM=bm, BK=bk,
         num_warps=num_warps, **_LAUNCH_OPTS,
     )
     return row_data, row_sinv, col_data, col_sinv
@@ -243,7 +246,8 @@ def quantize_fp8_tensorwise_triton(
     _fp8_tensorwise_cast_kernel[grid](
         xk, amax, row_data if write_row else dummy, col_data if write_col else dummy, sinv,
         M, K, x.stride(0), x.stride(1),
-        WRITE_ROW=write_row, WRITE_COL=write_col, BF16_BITS=bf16, BM=block_m, BK=block_k, num_warps=num_warps,
+        WRITE_ROW=write_row, WRITE_COL=write_col, BF16_BITS=bf16, NATIVE=x.is_cuda, BM=block_m, BK=block_k,
+        num_warps=num_warps,
         **_LAUNCH_OPTS,
     )
     return row_data, col_data, sinv.reshape(())
