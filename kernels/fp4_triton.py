@@ -194,12 +194,18 @@ def e4m3_rne(v):
 
 @triton.jit
 def e4m3_byte(v, NATIVE: tl.constexpr):
-    """``e4m3_rne(v)`` as uint8. ``NATIVE``: the GPU's own conversion, two values per instruction
-    (``cvt.rn.satfinite.e4m3x2.f32``: nearest-even with subnormals, +-Inf saturating to +-448, NaN -> 0x7F, the
-    sign kept for values that round to zero: what ``e4m3_rne`` computes bit by bit); the bit arithmetic
-    otherwise (the interpreter's fp8 conversion rounds differently)."""
+    """``e4m3_rne(v)`` as uint8. ``NATIVE`` (GPU only): the hardware's paired conversion
+    ``cvt.rn.satfinite.e4m3x2.f32`` (inline PTX, one instruction per two values: nearest-even with subnormals,
+    +-Inf saturating to +-448, NaN -> 0x7F, the sign kept for values that round to zero, which is what
+    ``e4m3_rne`` computes bit by bit), each byte widened to int32 as the bit arithmetic leaves it. Triton's own
+    fp32 -> fp8 cast, bitcast to bytes, is not used: on triton 3.6 its bytes came out wrong where they were
+    stored through transposed addresses (the columnwise copies). Else the bit arithmetic (the interpreter)."""
     if NATIVE:
-        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        b = tl.inline_asm_elementwise(
+            "{ .reg .b16 t; .reg .b32 w; cvt.rn.satfinite.e4m3x2.f32 t, $3, $2; cvt.u32.u16 w, t; "
+            "and.b32 $0, w, 255; shr.b32 $1, w, 8; }",
+            "=r,=r,r,r", [v], dtype=tl.int32, is_pure=True, pack=2)
+        return b.to(tl.uint8)
     else:
         return e4m3_rne(v).to(tl.uint8)
 
