@@ -1,0 +1,169 @@
+"""The FP8 cast kernels on the 12B shapes: every launch configuration of a sweep, checked bit for bit, timed.
+
+For each tensor a 12B linear layer casts (M = 8192 tokens: x and dy with 1x128 blocks, both copies in one pass
+as ``quantize_fp8_rowcol`` writes them; x rowwise only; W with 128x128 tiles; the per-tensor cast with its amax
+pass) it runs ``kernels/fp8/quantize.py``'s launch under each configuration of the sweep (tile rows and columns,
+warps). Every configuration's outputs (data bytes and scales of every copy) must equal the reference's
+(``kernels/fp8/reference.py`` on the same device) bit for bit before it is timed; one that differs or fails to
+compile is reported and the script exits 1. Time: ``triton.testing.do_bench`` median; GB/s counts the bytes the
+cast must move (the bf16 input read once, every copy written once) and is given as a fraction of the measured
+device-to-device copy bandwidth (bytes read + written). The first configuration of each sweep is the default
+the library launches.
+
+Usage (repo root)::
+
+    python3 scripts/bench_fp8_casts.py --json casts.json           # GPU
+    TRITON_INTERPRET=1 python3 scripts/bench_fp8_casts.py --quick  # CPU smoke test: tiny shapes, two configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+M_TOKENS = 8192
+# (name, rows, cols, mode): mode "rowcol" = 1x128 rowwise + columnwise copies, "row" = 1x128 rowwise only,
+# "tile" = 128x128 (both copies), "tensor" = per tensor (both copies, amax pass included)
+CASES = (
+    ("x of fc2", M_TOKENS, 20480, "rowcol"),
+    ("x of in_proj", M_TOKENS, 5120, "rowcol"),
+    ("dy of in_proj", M_TOKENS, 22656, "rowcol"),
+    ("x of fc2, rowwise", M_TOKENS, 20480, "row"),
+    ("W of in_proj", 22656, 5120, "tile"),
+    ("W of fc2", 5120, 20480, "tile"),
+    ("x of fc2, per tensor", M_TOKENS, 20480, "tensor"),
+    ("dy of in_proj, per tensor", M_TOKENS, 22656, "tensor"),
+)
+QUICK_CASES = (("x", 256, 384, "rowcol"), ("x rowwise", 128, 384, "row"), ("W", 256, 384, "tile"),
+               ("x per tensor", 128, 256, "tensor"))
+# (block_m, block_k, num_warps); the first of each is the library's default launch
+SWEEPS = {
+    "rowcol": ((128, 128, 8), (128, 128, 4), (128, 128, 16), (128, 256, 8), (128, 256, 16), (256, 128, 8),
+               (256, 128, 16)),
+    "row": ((32, 128, 8), (32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 128, 8)),
+    "tile": ((128, 128, 8), (128, 128, 4), (128, 128, 16)),
+    "tensor": ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4)),
+}
+
+
+def _launch(x: torch.Tensor, mode: str, cfg: tuple[int, int, int]):
+    from nvfp4_train.kernels.fp8.quantize import quantize_fp8_blockwise_triton, quantize_fp8_tensorwise_triton
+
+    bm, bk, warps = cfg
+    if mode == "tensor":
+        return quantize_fp8_tensorwise_triton(x, write_col=True, block_m=bm, block_k=bk, num_warps=warps)
+    block = (128, 128) if mode == "tile" else (1, 128)
+    return quantize_fp8_blockwise_triton(x, block, write_row=True, write_col=mode != "row", block_m=bm,
+                                         block_k=bk, num_warps=warps)
+
+
+def _reference(x: torch.Tensor, mode: str) -> list[torch.Tensor]:
+    """The reference's outputs in the launch's order (data as bytes)."""
+    from nvfp4_train.kernels.fp8.reference import quantize_fp8_blockwise_ref, quantize_fp8_rowcol_ref
+
+    if mode == "row":
+        q = quantize_fp8_blockwise_ref(x, (1, 128))
+        return [q.data.view(torch.uint8), q.scale_inv]
+    row, col = quantize_fp8_rowcol_ref(x, None if mode == "tensor" else ((128, 128) if mode == "tile" else (1, 128)),
+                                       None)
+    if mode == "tensor":
+        return [row.data.view(torch.uint8), col.data.view(torch.uint8), row.scale_inv]
+    return [row.data.view(torch.uint8), row.scale_inv, col.data.view(torch.uint8), col.scale_inv]
+
+
+def _same(out, ref: list[torch.Tensor]) -> bool:
+    got = [t for t in out if t is not None]
+    if len(got) != len(ref):
+        return False
+    for a, b in zip(got, ref):  # bit for bit, layouts aside (scales may be stored transposed)
+        if a.shape != b.shape and a.numel() != b.numel() or a.dtype != b.dtype:
+            return False
+        if not torch.equal(a.reshape(b.shape).reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            return False
+    return True
+
+
+def _bytes(rows: int, cols: int, mode: str) -> int:
+    """Bytes the cast must move: bf16 in once, one byte per element per copy out, fp32 scales."""
+    n = rows * cols
+    copies = 1 if mode == "row" else 2
+    scales = {"rowcol": n // 128 * 2, "row": n // 128, "tile": n // (128 * 128) * 2, "tensor": 1}[mode]
+    return 2 * n + copies * n + 4 * scales
+
+
+def _time_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def copy_bandwidth(device: torch.device, quick: bool) -> float:
+    src = torch.empty((2**20 if quick else 2**29), dtype=torch.bfloat16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def run(args) -> tuple[list[dict], bool]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases = QUICK_CASES if args.quick else CASES
+    copy_gbs = copy_bandwidth(device, args.quick)
+    rows_out, ok = [], True
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
+    print("| tensor | shape | mode | BM x BK, warps | us | GB/s | % of copy | vs default |")
+    print("|---|---|---|---|---:|---:|---:|---:|")
+    for name, rows, cols, mode in cases:
+        x = (torch.randn(rows, cols, device=device, generator=g) * 3).bfloat16()
+        ref = _reference(x, mode)
+        configs = SWEEPS[mode][:2] if args.quick else SWEEPS[mode]
+        base_us = None
+        for cfg in configs:
+            row = {"tensor": name, "rows": rows, "cols": cols, "mode": mode, "block_m": cfg[0],
+                   "block_k": cfg[1], "num_warps": cfg[2]}
+            try:
+                if not _same(_launch(x, mode, cfg), ref):
+                    raise AssertionError("outputs differ from the reference")
+                us = _time_ms(lambda: _launch(x, mode, cfg), device) * 1e3
+            except Exception as e:  # noqa: BLE001 - a failing configuration is reported, the sweep goes on
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                # wrong bits fail the run, and so does the default launch failing; another configuration
+                # may fail to compile (resources) and is only reported
+                if cfg == configs[0] or "differ" in row["error"]:
+                    ok = False
+                print(f"| {name} | {rows}x{cols} | {mode} | {cfg[0]}x{cfg[1]}, {cfg[2]} | {row['error']} | | | |")
+                rows_out.append(row)
+                continue
+            gbs = _bytes(rows, cols, mode) / (us * 1e-6) / 1e9
+            base_us = base_us if base_us is not None else us
+            row.update(us=us, gbs=gbs, copy_fraction=gbs / copy_gbs, vs_default=us / base_us)
+            rows_out.append(row)
+            print(f"| {name} | {rows}x{cols} | {mode} | {cfg[0]}x{cfg[1]}, {cfg[2]} | {us:.1f} | {gbs:.0f} | "
+                  f"{100 * gbs / copy_gbs:.0f}% | {us / base_us:.2f} |", flush=True)
+    return rows_out, ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, two configurations each (CPU smoke test)")
+    ap.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rows, ok = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
