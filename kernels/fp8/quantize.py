@@ -164,15 +164,21 @@ def quantize_fp8_blockwise_triton(
     write_col: bool = False,
     block_m: int | None = None,
     block_k: int = 128,
-    num_warps: int = 8,
+    num_warps: int | None = None,
 ):
     """Launch the blockwise kernel. Inputs are validated by the caller (``nvfp4_train.kernels.fp8``).
+
+    Default launch (the fastest of ``scripts/bench_fp8_casts.py``'s sweep on the H200, ``docs/benchmarks.md``):
+    128x128 tiles with 8 warps; 1x128 blocks with 4 warps, 128 x 128 tiles when the columnwise copy is written,
+    else 32 x 128.
 
     Returns (row_data_u8, row_scale_inv, col_data_u8, col_scale_inv); absent copies are None.
     """
     M, K = x.shape
     dev = x.device
     tile_2d = block == (128, 128)
+    if num_warps is None:
+        num_warps = 8 if tile_2d else 4
     if tile_2d:
         bm, bk = 128, 128
     else:
