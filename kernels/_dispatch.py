@@ -36,3 +36,18 @@ def persistent_grid(x: torch.Tensor, n_tiles: int, per_sm: int = 4) -> tuple[int
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
         return (max(1, min(n_tiles, per_sm * _NUM_SMS[dev])),)
     return (max(1, min(n_tiles, 4)),)
+
+
+_E4M3_CVT: dict[int, bool] = {}
+
+
+def has_e4m3_convert(x: torch.Tensor) -> bool:
+    """True when ``x`` lives on a GPU with the paired fp32 -> E4M3 conversion instruction
+    (``cvt.rn.satfinite.e4m3x2.f32``: compute capability 8.9 and later); the FP8 casts use it there and the bit
+    arithmetic elsewhere (older GPUs, the interpreter)."""
+    if not x.is_cuda:
+        return False
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _E4M3_CVT:
+        _E4M3_CVT[dev] = torch.cuda.get_device_capability(dev) >= (8, 9)
+    return _E4M3_CVT[dev]

@@ -194,7 +194,7 @@ def e4m3_rne(v):
 
 @triton.jit
 def e4m3_byte(v, NATIVE: tl.constexpr):
-    """``e4m3_rne(v)`` as uint8. ``NATIVE`` (GPU only): the hardware's paired conversion
+    """``e4m3_rne(v)`` as uint8. ``NATIVE`` (GPUs of compute capability 8.9+): the hardware's paired conversion
     ``cvt.rn.satfinite.e4m3x2.f32`` (inline PTX, one instruction per two values: nearest-even with subnormals,
     +-Inf saturating to +-448, NaN -> 0x7F, the sign kept for values that round to zero, which is what
     ``e4m3_rne`` computes bit by bit), each byte widened to int32 as the bit arithmetic leaves it. Triton's own

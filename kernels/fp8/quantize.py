@@ -14,12 +14,12 @@ Every copy is computed from the tile as loaded (the columnwise 1x128 blocks redu
 the transposed bytes are stored through transposed addresses: no fp32 tile is ever transposed in registers.
 
 Arithmetic per block, as in the reference: ``s = min(448 / amax, FLT_MAX)`` (1 for an all-zero block),
-``scale_inv = 1 / s``, both correctly rounded divisions (``div_rn``), ``q = e4m3_rne(x * s)``: on the GPU the
-hardware's saturating conversion (``cvt.rn.satfinite.e4m3x2.f32``, two values per instruction; the same RNE,
-subnormals, saturation and NaN byte), under the interpreter the bit arithmetic of ``kernels/fp4_triton.py``
-(``e4m3_byte``). Launch options: ``enable_fp_fusion=False``
-(no FMA contraction) and ``enable_reflect_ftz=False``, so that libdevice's ``div_rn`` keeps subnormal
-results (``scale_inv`` is subnormal when amax < 448 * 2^-126) as the CPU reference does. bf16 input is
+``scale_inv = 1 / s``, both correctly rounded divisions (``div_rn``), ``q = e4m3_rne(x * s)``: on GPUs of compute
+capability 8.9+ the hardware's saturating conversion (``cvt.rn.satfinite.e4m3x2.f32``, two values per instruction;
+the same RNE, subnormals, saturation and NaN byte), elsewhere (older GPUs, the interpreter) the bit arithmetic of
+``kernels/fp4_triton.py`` (``e4m3_byte``). Launch options: ``enable_fp_fusion=False`` (no FMA contraction) and
+``enable_reflect_ftz=False``, so that libdevice's ``div_rn`` keeps subnormal results (``scale_inv`` is subnormal
+when amax < 448 * 2^-126) as the CPU reference does. bf16 input is
 read through its bits (``load_as_f32``), exact for subnormals too.
 """
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvfp4_train.kernels._dispatch import persistent_grid
+from nvfp4_train.kernels._dispatch import has_e4m3_convert, persistent_grid
 from nvfp4_train.kernels.fp4_triton import as_kernel_input, e4m3_byte, load_tile
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -202,7 +202,7 @@ def quantize_fp8_blockwise_triton(
         row_data if write_row else dummy, row_sinv if write_row else dummy_f,
         col_data if write_col else dummy, col_sinv if write_col else dummy_f,
         M, K, x.stride(0), x.stride(1),
-        WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=tile_2d, BF16_BITS=bf16, NATIVE=x.is_cuda,
+        WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=tile_2d, BF16_BITS=bf16, NATIVE=has_e4m3_convert(x),
         BM=bm, BK=bk,
         num_warps=num_warps, **_LAUNCH_OPTS,
     )
@@ -252,8 +252,7 @@ def quantize_fp8_tensorwise_triton(
     _fp8_tensorwise_cast_kernel[grid](
         xk, amax, row_data if write_row else dummy, col_data if write_col else dummy, sinv,
         M, K, x.stride(0), x.stride(1),
-        WRITE_ROW=write_row, WRITE_COL=write_col, BF16_BITS=bf16, NATIVE=x.is_cuda, BM=block_m, BK=block_k,
-        num_warps=num_warps,
-        **_LAUNCH_OPTS,
+        WRITE_ROW=write_row, WRITE_COL=write_col, BF16_BITS=bf16, NATIVE=has_e4m3_convert(x),
+        BM=block_m, BK=block_k, num_warps=num_warps, **_LAUNCH_OPTS,
     )
     return row_data, col_data, sinv.reshape(())
