@@ -11,6 +11,8 @@ package, one module per concern, each function naming the release it is for:
     optimizer        the gradients of the norm (renamed in 0.19), the Adam ``step`` of the distributed optimizer
                      on load (0.16.1 ... 0.19.2)
     dist_ckpt        the dist-checkpoint writer's results queue (a module global of every release)
+    jit              ``megatron.core.jit``, its fused helpers compiled at their first call rather than at import
+                     (installed by ``nvfp4_train/__init__.py``; 0.16.1 ... 0.19.x)
 
 Where an attribute or argument tells the releases apart, the code tests for it (``hasattr``, the dataclass
 fields) rather than comparing version numbers: a patch release that back-ports a change then works too.
