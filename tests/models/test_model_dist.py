@@ -2,7 +2,9 @@
 TP=1/PP=1 (two gloo ranks, weights moved through megatron's distributed checkpoint, which reshards them).
 
 The harness (``dist_model_equivalence.py``) compares per-token losses before and after one SGD step on every
-parameter, so equal second losses mean equal gradients everywhere.
+parameter, so equal second losses mean equal gradients everywhere. One torchrun group runs the reference and
+the three layouts in turn (megatron's import and the reference dominate the cost on CPU); each test reads its
+layout's losses.
 
 Bounds (fp32 parameters and activations, bf16 recipe):
 - PP=2: the same operations in the same order, split over two processes; activations travel exactly.
@@ -25,15 +27,22 @@ import pytest
 import torch
 
 HARNESS = Path(__file__).with_name("dist_model_equivalence.py")
+LAYOUTS = ["pp", "tp", "tp_sp"]
 
 
-def _run(tmp_path: Path, layout: str, recipe: str = "bf16", dtype: str = "fp32"):
+@pytest.fixture(scope="module")
+def layout_losses(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model_dist")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HARNESS),
-           "--layout", layout, "--recipe", recipe, "--dtype", dtype, "--out", str(tmp_path)]
+           "--layout", ",".join(LAYOUTS), "--recipe", "bf16", "--dtype", "fp32", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    d = torch.load(tmp_path / "losses.pt")
+    return out
+
+
+def _losses(out: Path, layout: str):
+    d = torch.load(out / f"losses_{layout}.pt")
     return d["ref"], d["got"]
 
 
@@ -43,8 +52,8 @@ def _check_step_moves_loss(ref):
 
 
 @pytest.mark.dist
-def test_pp2_equals_pp1_bitwise(tmp_path):
-    ref, got = _run(tmp_path, "pp")
+def test_pp2_equals_pp1_bitwise(layout_losses):
+    ref, got = _losses(layout_losses, "pp")
     _check_step_moves_loss(ref)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
@@ -52,8 +61,8 @@ def test_pp2_equals_pp1_bitwise(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", ["tp", "tp_sp"])
-def test_tp2_equals_tp1(tmp_path, layout):
-    ref, got = _run(tmp_path, layout)
+def test_tp2_equals_tp1(layout_losses, layout):
+    ref, got = _losses(layout_losses, layout)
     _check_step_moves_loss(ref)
     for a, b in zip(ref, got):
         rel = ((a - b).abs() / a.abs()).max().item()

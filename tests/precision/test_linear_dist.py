@@ -40,7 +40,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.precision.mcore_util import assert_ranks_ok, init_gloo_rank, record_outcome, spawn_ranks
+from tests.precision.mcore_util import assert_ranks_ok, record_outcome
 
 pytestmark = pytest.mark.dist
 
@@ -187,28 +187,30 @@ def _case_id(recipe_name: str, sp: bool) -> str:
     return f"{recipe_name}-{'sp' if sp else 'no_sp'}"
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    """Runs every case and records each one's outcome in ``out_dir`` (``mcore_util.record_outcome``). The
-    comparisons come after the case's last collective, so a failed case leaves the two ranks in step for the
-    next one."""
-    init_gloo_rank(rank, port, timeout_s=60)
+def run_two_rank_cases(rank: int, out_dir: str) -> None:
+    """Runs every case on this rank of the shared gloo group (``tests/two_rank_cases.py``) and records each
+    one's outcome in ``out_dir`` as ``linear-<case>``. The comparisons come after the case's last collective,
+    so a failed case leaves the two ranks in step for the next one."""
     from megatron.core import parallel_state
 
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
         solo = [dist.new_group([0]), dist.new_group([1])][rank]
         for recipe_name, sp in CASES:
             dist.barrier()
-            record_outcome(out_dir, _case_id(recipe_name, sp), rank, lambda: _check(rank, recipe_name, sp, solo))
+            record_outcome(out_dir, "linear-" + _case_id(recipe_name, sp), rank,
+                           lambda: _check(rank, recipe_name, sp, solo))
     finally:
-        dist.destroy_process_group()
+        parallel_state.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    return spawn_ranks(_worker, tmp_path_factory.mktemp("tp2_vs_tp1"))
+    from tests.two_rank_cases import two_rank_outcomes
+
+    return two_rank_outcomes(tmp_path_factory)
 
 
 @pytest.mark.parametrize("recipe_name, sp", CASES, ids=[_case_id(*c) for c in CASES])
 def test_tp2_equals_tp1(outcomes, recipe_name, sp):
-    assert_ranks_ok(outcomes, _case_id(recipe_name, sp))
+    assert_ranks_ok(outcomes, "linear-" + _case_id(recipe_name, sp))

@@ -27,8 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nvfp4_train.mcore_compat.optimizer import grads_for_grad_norm
 from nvfp4_train.optim import (OptimConfig, build_ddp, build_optimizer, clip_grad_norm_sync_free,
                                megatron_optimizer_config, optimizer_step)
-from tests.precision.mcore_util import (assert_ranks_ok, init_gloo_rank, megatron_single_rank, record_outcome,
-                                       spawn_ranks)
+from tests.precision.mcore_util import assert_ranks_ok, megatron_single_rank, record_outcome
 
 VOCAB, HIDDEN, FFN, LAYERS, SEQ, MICRO = 128, 32, 64, 2, 16, 4
 LR = 1e-2
@@ -365,10 +364,10 @@ def test_found_inf_skips_as_megatron():
 CASES = ["dp2", "tp2"]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def run_two_rank_cases(rank: int, out_dir: str) -> None:
+    """Both cases on this rank of the shared gloo group (``tests/two_rank_cases.py``), each recorded in
+    ``out_dir`` as ``clip-<case>``."""
     from megatron.core import parallel_state
-
-    init_gloo_rank(rank, port, timeout_s=120)
 
     def check(tp: int) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -381,20 +380,19 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         finally:
             parallel_state.destroy_model_parallel()
 
-    try:
-        for case in CASES:
-            record_outcome(out_dir, case, rank, lambda: check(2 if case == "tp2" else 1))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    for case in CASES:
+        record_outcome(out_dir, f"clip-{case}", rank, lambda: check(2 if case == "tp2" else 1))
+        dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def dist_outcomes(tmp_path_factory):
-    return spawn_ranks(_worker, tmp_path_factory.mktemp("clip_dist"))
+    from tests.two_rank_cases import two_rank_outcomes
+
+    return two_rank_outcomes(tmp_path_factory)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_clipping_as_megatron(dist_outcomes, case):
-    assert_ranks_ok(dist_outcomes, case)
+    assert_ranks_ok(dist_outcomes, f"clip-{case}")
