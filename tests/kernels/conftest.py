@@ -19,9 +19,11 @@ def _interpreter_skips_dropped_overflow_checks():
     except ImportError:
         yield
         return
-    b = interpreter.interpreter_builder
-    saved = b.options
-    if not triton.knobs.runtime.interpret or saved.debug:
+    b = getattr(interpreter, "interpreter_builder", None)  # triton 3.7 ... 3.9
+    saved = getattr(b, "options", None)
+    knobs = getattr(triton, "knobs", None)
+    if (saved is None or not hasattr(saved, "sanitize_overflow") or knobs is None
+            or not knobs.runtime.interpret or saved.debug):
         yield
         return
     b.options = dataclasses.replace(saved, sanitize_overflow=False)
