@@ -14,21 +14,51 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
-def test_bench_train_quick(tmp_path):
+def _run_together(runs: dict[str, list[str]], out: Path, timeout: float = 300) -> dict:
+    """``_run`` of each entry, all started at once (each is one thread: the cores run them side by side)."""
+    procs = {}
+    for name, args in runs.items():
+        with open(out / f"{name}.stdout", "w") as so, open(out / f"{name}.stderr", "w") as se:
+            procs[name] = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(), stdout=so, stderr=se)
+    try:
+        for p in procs.values():
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs.values():
+            p.kill()
+    return {name: subprocess.CompletedProcess(p.args, p.returncode, (out / f"{name}.stdout").read_text(),
+                                              (out / f"{name}.stderr").read_text()) for name, p in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def bench_train_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """The two ``bench_train.py --quick`` runs of the tests below, run side by side."""
+    out = tmp_path_factory.mktemp("bench_train")
+    return out, _run_together({
+        "quick": ["scripts/bench_train.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out / "quick.json"),
+                  "--cuda-graph", "off", "--work-dir", str(out / "work"), "data.seed=7"],
+        "grad_accum": ["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json",
+                       str(out / "grad_accum.json"), "--nonfinite-check", "after_skip"],
+    }, out)
+
+
+def test_bench_train_quick(bench_train_runs):
     """The benchmark builds the trainer of each case (random tokens as an indexed dataset) and times its own
     ``train_step``; overrides after the options reach every case's config (here: the data order's seed), and so
     does the ``--cuda-graph`` mode (each row and the table name it)."""
-    out = tmp_path / "bench.json"
-    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out),
-              "--cuda-graph", "off", "--work-dir", str(tmp_path / "work"), "data.seed=7"])
+    tmp_path, runs = bench_train_runs
+    p = runs["quick"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    rows = json.loads(out.read_text())
+    rows = json.loads((tmp_path / "quick.json").read_text())
     assert [(r["recipe"], r["cuda_graph"]) for r in rows] == [("bf16", "off"), ("nvfp4", "off")]
     assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["logged_tokens_per_s"] > 0 for r in rows)
     assert "| tiny | off | nvfp4 |" in p.stdout
@@ -37,14 +67,13 @@ def test_bench_train_quick(tmp_path):
     assert "seed: 7" in cfg and "nvfp4" in cfg and "cuda_graph: 'off'" in cfg
 
 
-def test_bench_train_grad_accum_counts_every_micro_batch(tmp_path):
+def test_bench_train_grad_accum_counts_every_micro_batch(bench_train_runs):
     """--grad-accum 2: a step is two micro-batches (the second with the weight cache filled) and an optimizer
     step; tokens/s counts both micro-batches; --nonfinite-check reaches the trainer's config."""
-    out = tmp_path / "bench.json"
-    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json", str(out),
-              "--nonfinite-check", "after_skip"])
+    tmp_path, runs = bench_train_runs
+    p = runs["grad_accum"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    (r,) = json.loads(out.read_text())
+    (r,) = json.loads((tmp_path / "grad_accum.json").read_text())
     assert r["grad_accum"] == 2
     assert r["nonfinite_check"] == "after_skip" and r["nonfinite_checked_layers"] == 0  # the check is off
     assert r["tokens_per_s"] == pytest.approx(2 * r["micro_batch"] * r["seq"] / r["step_s"], rel=1e-9)
