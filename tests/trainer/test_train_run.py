@@ -4,6 +4,7 @@ SIGTERM, fallback from a damaged checkpoint, a checkpoint of another model, non-
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 
@@ -59,7 +60,16 @@ def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
     assert (b_dir / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
     assert (b_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:07d}"
 
+    # a checkpoint of another model size is a clear error, not a fallback (on a copy of B, beside B's resume)
+    b4_dir = tmp_path / "b4"
+    shutil.copytree(b_dir, b4_dir)
+    b4 = start([*base, "checkpoint.interval=2", f"experiment.run_dir={b4_dir}", "model.hidden_size=64"],
+               log=tmp_path / "b4.log")
     assert run(b_args, log=tmp_path / "b2.log") == 0, tail(tmp_path / "b2.log")
+    rc = b4.wait(timeout=240)
+    log = (tmp_path / "b4.log").read_text()
+    assert rc != 0
+    assert "was written for another model" in log and "hidden_size: checkpoint 32, this run 64" in log
     assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped]
     ref = load_metrics(a_dir)
     _same(ref, load_metrics(b_dir))
@@ -78,12 +88,6 @@ def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
     assert f"checkpoint {last} is not usable" in log and shard.name in log
     assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped, previous]
     _same(ref, load_metrics(b_dir))
-
-    # a checkpoint of another model size is a clear error, not a fallback
-    rc = run([*b_args, "model.hidden_size=64"], log=tmp_path / "b4.log")
-    log = (tmp_path / "b4.log").read_text()
-    assert rc != 0
-    assert "was written for another model" in log and "hidden_size: checkpoint 32, this run 64" in log
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
