@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.side_by_side import captured, completed, side_by_side
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,39 +25,27 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _run_together(runs: dict[str, list[str]], out: Path, timeout: float = 300) -> dict:
-    """``_run`` of each entry, all started at once (each is one thread: the cores run them side by side)."""
-    procs = {}
-    for name, args in runs.items():
-        with open(out / f"{name}.stdout", "w") as so, open(out / f"{name}.stderr", "w") as se:
-            procs[name] = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(), stdout=so, stderr=se)
-    try:
-        for p in procs.values():
-            p.wait(timeout=timeout)
-    finally:
-        for p in procs.values():
-            p.kill()
-    return {name: subprocess.CompletedProcess(p.args, p.returncode, (out / f"{name}.stdout").read_text(),
-                                              (out / f"{name}.stderr").read_text()) for name, p in procs.items()}
-
-
 @pytest.fixture(scope="module")
-def bench_train_runs(tmp_path_factory) -> tuple[Path, dict]:
-    """The two ``bench_train.py --quick`` runs of the tests below, run side by side."""
-    out = tmp_path_factory.mktemp("bench_train")
-    return out, _run_together({
+def script_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """The runs of bench_train.py and bench_checkpoint.py that the tests below check, run side by side."""
+    out = tmp_path_factory.mktemp("scripts")
+    args = {
         "quick": ["scripts/bench_train.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out / "quick.json"),
                   "--cuda-graph", "off", "--work-dir", str(out / "work"), "data.seed=7"],
         "grad_accum": ["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json",
                        str(out / "grad_accum.json"), "--nonfinite-check", "after_skip"],
-    }, out)
+        "ckpt": ["scripts/bench_checkpoint.py", "--model", "tiny", "--out", str(out / "ckpts"), "--json",
+                 str(out / "ckpt.json")],
+    }
+    codes = side_by_side({name: captured(a, out / name, cwd=ROOT, env=_env()) for name, a in args.items()})
+    return out, {name: completed(out / name, rc) for name, rc in codes.items()}
 
 
-def test_bench_train_quick(bench_train_runs):
+def test_bench_train_quick(script_runs):
     """The benchmark builds the trainer of each case (random tokens as an indexed dataset) and times its own
     ``train_step``; overrides after the options reach every case's config (here: the data order's seed), and so
     does the ``--cuda-graph`` mode (each row and the table name it)."""
-    tmp_path, runs = bench_train_runs
+    tmp_path, runs = script_runs
     p = runs["quick"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((tmp_path / "quick.json").read_text())
@@ -67,10 +57,10 @@ def test_bench_train_quick(bench_train_runs):
     assert "seed: 7" in cfg and "nvfp4" in cfg and "cuda_graph: 'off'" in cfg
 
 
-def test_bench_train_grad_accum_counts_every_micro_batch(bench_train_runs):
+def test_bench_train_grad_accum_counts_every_micro_batch(script_runs):
     """--grad-accum 2: a step is two micro-batches (the second with the weight cache filled) and an optimizer
     step; tokens/s counts both micro-batches; --nonfinite-check reaches the trainer's config."""
-    tmp_path, runs = bench_train_runs
+    tmp_path, runs = script_runs
     p = runs["grad_accum"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     (r,) = json.loads((tmp_path / "grad_accum.json").read_text())
@@ -79,9 +69,9 @@ def test_bench_train_grad_accum_counts_every_micro_batch(bench_train_runs):
     assert r["tokens_per_s"] == pytest.approx(2 * r["micro_batch"] * r["seq"] / r["step_s"], rel=1e-9)
 
 
-def test_bench_checkpoint_tiny(tmp_path):
-    out, root = tmp_path / "ckpt.json", tmp_path / "ckpts"
-    p = _run(["scripts/bench_checkpoint.py", "--model", "tiny", "--out", str(root), "--json", str(out)])
+def test_bench_checkpoint_tiny(script_runs):
+    tmp_path, runs = script_runs
+    out, root, p = tmp_path / "ckpt.json", tmp_path / "ckpts", runs["ckpt"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["bytes"] > 0
