@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -49,3 +50,11 @@ def completed(out: Path, returncode: int) -> subprocess.CompletedProcess:
     """What ``subprocess.run(..., capture_output=True, text=True)`` returns, for a job of :func:`captured`."""
     return subprocess.CompletedProcess([], returncode, Path(f"{out}.stdout").read_text(),
                                        Path(f"{out}.stderr").read_text())
+
+
+def in_threads(jobs: dict[str, Callable[[], object]], *, parallel: int = PARALLEL) -> dict[str, Future]:
+    """Run each job (a function that runs processes one after another and returns what the tests check) in
+    a thread, ``parallel`` at a time, and wait for all of them: ``{name: future}``; ``.result()`` re-raises a
+    job's error."""
+    with ThreadPoolExecutor(parallel) as pool:
+        return {name: pool.submit(job) for name, job in jobs.items()}
