@@ -58,3 +58,10 @@ def in_threads(jobs: dict[str, Callable[[], object]], *, parallel: int = PARALLE
     job's error."""
     with ThreadPoolExecutor(parallel) as pool:
         return {name: pool.submit(job) for name, job in jobs.items()}
+
+
+def for_selected_tests(request, jobs: dict[str, Callable[[], object]], **kw) -> dict[str, Future]:
+    """:func:`in_threads` of the jobs keyed by the name of a test function this session runs (``-k`` or a
+    node id: only those)."""
+    names = {getattr(item, "originalname", item.name) for item in request.session.items}
+    return in_threads({name: job for name, job in jobs.items() if name in names}, **kw)

@@ -15,19 +15,25 @@ from pathlib import Path
 import pytest
 
 from nvfp4_train.metrics import load_metrics
+from tests.side_by_side import for_selected_tests
 from tests.trainer.runs import TINY, env, run, start, tail
-from tests.side_by_side import in_threads
 from tests.trainer.test_train_run import _events, _wait_for_step
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, dict]:
-    """The train.py runs of the tests below (each test's runs in one order, as before), two tests' runs at a
-    time: ``(folder, {name: future of what the runs left})``."""
+def runs(request, tmp_path_factory) -> tuple[Path, dict]:
+    """The train.py runs of the tests below (each test's runs in the order they need), two tests' runs at a
+    time: ``(folder, {test name: future of what its runs left})``."""
     tmp = tmp_path_factory.mktemp("run_faults")
-    return tmp, in_threads({"resumes": lambda: _resumes(tmp), "second_run": lambda: _second_run(tmp),
-                            "dataloader_workers": lambda: _dataloader_workers(tmp),
-                            "streak": lambda: _streak(tmp), "sigterm_in_build": lambda: _sigterm_in_build(tmp)})
+    return tmp, for_selected_tests(request, {
+        "test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval": lambda: _resumes(tmp),
+        "test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over":
+            lambda: _second_run(tmp),
+        "test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0":
+            lambda: _dataloader_workers(tmp),
+        "test_no_checkpoint_is_written_during_a_streak_of_bad_steps": lambda: _streak(tmp),
+        "test_sigterm_before_the_first_step_exits_0_and_names_it": lambda: _sigterm_in_build(tmp),
+    })
 
 
 def _streak(tmp: Path) -> tuple:
@@ -42,7 +48,7 @@ def test_no_checkpoint_is_written_during_a_streak_of_bad_steps(runs):
     save nothing (before: step_3 and step_4 were written from the failing state and the stop report named
     step_4); the stop report names step_2, the last checkpoint before the streak."""
     tmp, res = runs
-    rc, out = res["streak"].result()
+    rc, out = res["test_no_checkpoint_is_written_during_a_streak_of_bad_steps"].result()
     assert rc == 3, tail(tmp / "n.log")
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
     assert [e["step"] for e in _events(out) if e["event"] == "checkpoint_skipped"] == [3, 4]
@@ -81,7 +87,7 @@ def _second_run(tmp: Path) -> dict:
 
 def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over(runs):
     tmp, res = runs
-    got = res["second_run"].result()
+    got = res["test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over"].result()
     out = got["out"]
     assert got["holder"] == "locked"
     assert got["second"] == 2, tail(tmp / "second.log")
@@ -152,7 +158,7 @@ def test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0(
     """With data.num_workers=2 the SIGTERM of the whole group (Slurm, `timeout`) killed the workers and the run
     died ("DataLoader worker ... is killed by signal: Terminated") without a checkpoint."""
     tmp, res = runs
-    rc, out = res["dataloader_workers"].result()
+    rc, out = res["test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0"].result()
     assert rc == 0, tail(tmp / "w.log")
     stopped = [e for e in _events(out) if e["event"] == "signal"][0]["step"]
     assert (out / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
@@ -169,7 +175,7 @@ def test_sigterm_before_the_first_step_exits_0_and_names_it(runs):
     """A SIGTERM while the model is built (it ended the process with -15): the run stops before training,
     exit 0, with a message; nothing is saved."""
     tmp, res = runs
-    rc, out = res["sigterm_in_build"].result()
+    rc, out = res["test_sigterm_before_the_first_step_exits_0_and_names_it"].result()
     assert rc == 0, tail(tmp / "s.log")
     assert "signal received before the first step; stopping without training" in (tmp / "s.log").read_text()
     assert load_metrics(out) == [] and not list((out / "checkpoints").glob("step_*"))  # the directory is checked writable up front
@@ -208,7 +214,7 @@ def _resumes(tmp: Path) -> dict:
 
 def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(runs):
     tmp, res = runs
-    got = res["resumes"].result()
+    got = res["test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval"].result()
     out = got["out"]
     assert got["first"] == 0, tail(tmp / "1.log")
     assert got["first_evals"] == [3]
