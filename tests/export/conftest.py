@@ -1,4 +1,4 @@
-"""Helpers of the export tests: train the real hybrid ``tiny`` model (NVFP4, three steps of ``train.py`` on the
+"""What the export tests train: the real hybrid ``tiny`` model (NVFP4, three steps of ``train.py`` on the
 committed sample text). The trained checkpoint itself is the session fixture ``trained_tiny`` (tests/conftest.py)."""
 
 from __future__ import annotations
