@@ -20,10 +20,20 @@ from nvfp4_train.precision.layer_map import LayerPrecisionMap
 __all__ = ["transformer_config", "stage_pattern", "build_model"]
 
 
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``squared_relu`` without its ``torch.compile``: without CUDA, compiling this one
+    elementwise op costs each process 5-10 s of inductor work (the same values: relu is exact, the square
+    rounds once either way)."""
+    return torch.pow(torch.nn.functional.relu(x), 2)
+
+
 def _activation(name: str):
     import torch.nn.functional as F
-    from megatron.core.activations import squared_relu
 
+    if name == "squared_relu" and torch.cuda.is_available():
+        from megatron.core.activations import squared_relu
+    else:
+        squared_relu = _squared_relu
     return {"squared_relu": (squared_relu, False), "swiglu": (F.silu, True), "gelu": (F.gelu, False)}[name]
 
 

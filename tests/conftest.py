@@ -53,3 +53,12 @@ def gen() -> torch.Generator:
     g = torch.Generator().manual_seed(seed)
     print(f"[gen seed {seed}]")
     return g
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """A run directory of the hybrid ``tiny`` trained three steps by ``train.py`` (tests/export/conftest.py),
+    once per session for every test that reads it (export, evaluation, gradient fidelity)."""
+    from tests.export.conftest import train_tiny
+
+    return train_tiny(tmp_path_factory.mktemp("export_tiny"))

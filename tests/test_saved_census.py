@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.side_by_side import captured, completed, side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,17 +43,33 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-@pytest.mark.parametrize("path,recipe", [("cpu", "nvfp4"), ("gpu", "nvfp4"), ("gpu", "bf16")])
-def test_saved_census_total_matches_independent_count(tmp_path, path, recipe):
-    out = tmp_path / "census.json"
-    args = ["--case", "tiny", "--recipe", recipe, "--seq", "128", "--micro-batch", "2", "--path", path, "--top", "500",
-            "--json", str(out)]
-    p = subprocess.run([sys.executable, "scripts/saved_census.py", *args], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+CASES = [("cpu", "nvfp4"), ("gpu", "nvfp4"), ("gpu", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def census_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """The script and the independent count of every case, run side by side."""
+    out = tmp_path_factory.mktemp("census")
+    jobs = {}
+    for path, recipe in CASES:
+        args = ["--case", "tiny", "--recipe", recipe, "--seq", "128", "--micro-batch", "2", "--path", path, "--top",
+                "500", "--json", str(out / f"{path}_{recipe}.json")]
+        jobs[f"{path}_{recipe}_script"] = captured(["scripts/saved_census.py", *args], out / f"{path}_{recipe}_script",
+                                                   cwd=ROOT, env=_env())
+        jobs[f"{path}_{recipe}_independent"] = captured(["-c", _INDEPENDENT, path, recipe],
+                                                        out / f"{path}_{recipe}_independent", cwd=ROOT, env=_env())
+    codes = side_by_side(jobs)
+    return out, {name: completed(out / name, rc) for name, rc in codes.items()}
+
+
+@pytest.mark.parametrize("path,recipe", CASES)
+def test_saved_census_total_matches_independent_count(census_runs, path, recipe):
+    tmp_path, runs = census_runs
+    out = tmp_path / f"{path}_{recipe}.json"
+    p = runs[f"{path}_{recipe}_script"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     res = json.loads(out.read_text())
-    q = subprocess.run([sys.executable, "-c", _INDEPENDENT, path, recipe], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=300)
+    q = runs[f"{path}_{recipe}_independent"]
     assert q.returncode == 0, q.stderr[-4000:]
     ind = json.loads(q.stdout.strip().splitlines()[-1])
     assert (ind["ctx"] > 0) == (recipe != "bf16")

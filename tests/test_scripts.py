@@ -11,24 +11,44 @@ from pathlib import Path
 
 import pytest
 
+from tests.side_by_side import captured, completed, side_by_side
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
-def test_bench_train_quick(tmp_path):
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """The runs of bench_train.py and bench_checkpoint.py that the tests below check, run side by side."""
+    out = tmp_path_factory.mktemp("scripts")
+    args = {
+        "quick": ["scripts/bench_train.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out / "quick.json"),
+                  "--cuda-graph", "off", "--work-dir", str(out / "work"), "data.seed=7"],
+        "grad_accum": ["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json",
+                       str(out / "grad_accum.json"), "--nonfinite-check", "after_skip"],
+        "ckpt": ["scripts/bench_checkpoint.py", "--model", "tiny", "--out", str(out / "ckpts"), "--json",
+                 str(out / "ckpt.json")],
+    }
+    codes = side_by_side({name: captured(a, out / name, cwd=ROOT, env=_env()) for name, a in args.items()})
+    return out, {name: completed(out / name, rc) for name, rc in codes.items()}
+
+
+def test_bench_train_quick(script_runs):
     """The benchmark builds the trainer of each case (random tokens as an indexed dataset) and times its own
     ``train_step``; overrides after the options reach every case's config (here: the data order's seed), and so
     does the ``--cuda-graph`` mode (each row and the table name it)."""
-    out = tmp_path / "bench.json"
-    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "bf16", "nvfp4", "--json", str(out),
-              "--cuda-graph", "off", "--work-dir", str(tmp_path / "work"), "data.seed=7"])
+    tmp_path, runs = script_runs
+    p = runs["quick"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    rows = json.loads(out.read_text())
+    rows = json.loads((tmp_path / "quick.json").read_text())
     assert [(r["recipe"], r["cuda_graph"]) for r in rows] == [("bf16", "off"), ("nvfp4", "off")]
     assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["logged_tokens_per_s"] > 0 for r in rows)
     assert "| tiny | off | nvfp4 |" in p.stdout
@@ -37,22 +57,21 @@ def test_bench_train_quick(tmp_path):
     assert "seed: 7" in cfg and "nvfp4" in cfg and "cuda_graph: 'off'" in cfg
 
 
-def test_bench_train_grad_accum_counts_every_micro_batch(tmp_path):
+def test_bench_train_grad_accum_counts_every_micro_batch(script_runs):
     """--grad-accum 2: a step is two micro-batches (the second with the weight cache filled) and an optimizer
     step; tokens/s counts both micro-batches; --nonfinite-check reaches the trainer's config."""
-    out = tmp_path / "bench.json"
-    p = _run(["scripts/bench_train.py", "--quick", "--recipes", "nvfp4", "--grad-accum", "2", "--json", str(out),
-              "--nonfinite-check", "after_skip"])
+    tmp_path, runs = script_runs
+    p = runs["grad_accum"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    (r,) = json.loads(out.read_text())
+    (r,) = json.loads((tmp_path / "grad_accum.json").read_text())
     assert r["grad_accum"] == 2
     assert r["nonfinite_check"] == "after_skip" and r["nonfinite_checked_layers"] == 0  # the check is off
     assert r["tokens_per_s"] == pytest.approx(2 * r["micro_batch"] * r["seq"] / r["step_s"], rel=1e-9)
 
 
-def test_bench_checkpoint_tiny(tmp_path):
-    out, root = tmp_path / "ckpt.json", tmp_path / "ckpts"
-    p = _run(["scripts/bench_checkpoint.py", "--model", "tiny", "--out", str(root), "--json", str(out)])
+def test_bench_checkpoint_tiny(script_runs):
+    tmp_path, runs = script_runs
+    out, root, p = tmp_path / "ckpt.json", tmp_path / "ckpts", runs["ckpt"]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["bytes"] > 0

@@ -12,7 +12,7 @@ import torch
 
 from nvfp4_train.experiments import grad_fidelity as gf
 from nvfp4_train.precision.megatron_linear import set_sr_streams
-from tests.export.conftest import VALIDATION, trained_tiny  # noqa: F401  (the trained checkpoint fixture)
+from tests.export.conftest import VALIDATION
 
 U64 = 2.0**-53  # float64 unit roundoff
 SEQ, MB = 32, 2  # 64 tokens: a multiple of nvfp4's 16 and mxfp4's 32 token blocks
@@ -192,7 +192,7 @@ def test_bad_input_names_the_problem(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_a_run_with_its_validation_data(trained_tiny, tmp_path, capsys):  # noqa: F811
+def test_checkpoint_of_a_run_with_its_validation_data(trained_tiny, tmp_path, capsys):
     """A run directory of train.py: the weights of its checkpoint, the run's seed, validation data and tokenizer."""
     from nvfp4_train.evaluate import load_model
 

@@ -1,11 +1,9 @@
-"""Shared fixtures of the export tests: a trained ``tiny`` checkpoint (the real hybrid model, NVFP4, three
-steps of ``train.py`` on the committed sample text: ~30 s on CPU, once per test session)."""
+"""What the export tests train: the real hybrid ``tiny`` model (NVFP4, three steps of ``train.py`` on the
+committed sample text). The trained checkpoint itself is the session fixture ``trained_tiny`` (tests/conftest.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import pytest
 
 from tests.trainer.runs import TINY, _TOKENS, run, tail
 
@@ -22,8 +20,3 @@ def train_tiny(out: Path, *extra: str, nproc: int = 1) -> Path:
     rc = run([*HYBRID_TINY, f"experiment.run_dir={out / 'run'}", *extra], log=log, nproc=nproc)
     assert rc == 0, tail(log)
     return out / "run"
-
-
-@pytest.fixture(scope="session")
-def trained_tiny(tmp_path_factory) -> Path:
-    return train_tiny(tmp_path_factory.mktemp("export_tiny"))

@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
+
+from tests.side_by_side import captured, completed, side_by_side
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bench_linear_quick(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_linear.py"), "--quick", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})  # tiny GEMMs: threads only contend
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """The two runs of bench_linear.py that the tests below check, side by side."""
+    out = tmp_path_factory.mktemp("bench_linear")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # tiny GEMMs: threads only contend
+    script = str(REPO / "scripts" / "bench_linear.py")
+    args = {"quick": [script, "--quick", "--json", str(out / "quick.json")],
+            "profile": [script, "--quick", "--recipes", "nvfp4", "--shapes", "mlp.fc1", "--profile", "nvfp4", "--json",
+                        str(out / "profile.json")]}
+    codes = side_by_side({name: captured(a, out / name, cwd=REPO, env=env) for name, a in args.items()})
+    return out, {name: completed(out / name, rc) for name, rc in codes.items()}
+
+
+def test_bench_linear_quick(bench_runs):
+    tmp_path, runs = bench_runs
+    out, proc = tmp_path / "quick.json", runs["quick"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "## targets" in proc.stdout and "| nvfp4 |" in proc.stdout
     res = json.loads(out.read_text())
@@ -47,12 +60,9 @@ def test_bench_linear_quick(tmp_path):
     assert set(res["totals"]) == {"bf16", "fp8", "fp8_tensorwise", "nvfp4", "mxfp4"}
 
 
-def test_bench_linear_profile_lists_the_ops(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_linear.py"), "--quick", "--recipes", "nvfp4",
-                           "--shapes", "mlp.fc1", "--profile", "nvfp4", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+def test_bench_linear_profile_lists_the_ops(bench_runs):
+    tmp_path, runs = bench_runs
+    out, proc = tmp_path / "profile.json", runs["profile"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "### mlp.fc1, nvfp4: GPU kernels per fwd+bwd" in proc.stdout
     rows = {r["recipe"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}

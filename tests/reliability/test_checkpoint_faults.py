@@ -26,6 +26,7 @@ import torch
 from nvfp4_train.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_checkpoint, write_manifest
 from tests.trainer.runs import ROOT, TINY, env, run, tail
 from tests.reliability.payload import Payload
+from tests.side_by_side import side_by_side
 
 BASE = [*(a for a in TINY if not a.startswith("checkpoint.")), "checkpoint.keep_last=3"]
 
@@ -105,15 +106,65 @@ def _plant_common(step_dir: Path, marker: Path) -> Path:
 PLANTS = {"rng": _plant_rng, "metadata": _plant_metadata, "byte_item": _plant_byte_item, "common": _plant_common}
 
 
-@pytest.mark.parametrize("vector", sorted(PLANTS))
-def test_a_planted_pickle_is_refused_and_never_runs(saved, tmp_path, vector):
-    run_dir, step_dir = _copy(saved, tmp_path)
-    marker = tmp_path / "marker"
-    planted = PLANTS[vector](step_dir, marker)
+def _start(args: list[str], log: Path, **popen):
+    def start() -> subprocess.Popen:
+        with open(log, "w") as f:
+            return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env(), stdout=f,
+                                    stderr=subprocess.STDOUT, **popen)
+    return start
+
+
+FSIZE_LIMIT = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def resumes(saved, tmp_path_factory) -> dict:
+    """The resumes of the tests below, each from its own copy of the saved run, run side by side: one per
+    planted pickle, the RNG file with a class outside the allow-list, the save under a file-size limit.
+    ``{name: (exit status, log, run directory, step directory, extra)}``."""
+    jobs, made = {}, {}
+    for vector, plant in sorted(PLANTS.items()):
+        tmp = tmp_path_factory.mktemp(f"planted_{vector}")
+        run_dir, step_dir = _copy(saved, tmp)
+        marker = tmp / "marker"
+        planted = plant(step_dir, marker)
+        _reseal(step_dir)
+        assert not marker.exists()
+        log = tmp / "resume.txt"
+        jobs[vector] = _start([*BASE, "schedule.train_steps=5", f"experiment.run_dir={run_dir}"], log)
+        made[vector] = (log, run_dir, step_dir, (planted, marker))
+
+    import datetime
+
+    tmp = tmp_path_factory.mktemp("untrusted_class")
+    run_dir, step_dir = _copy(saved, tmp)
+    f = step_dir / "rng" / "rank_00000.pt"
+    state = torch.load(f, weights_only=True)
+    state["extra"]["written"] = datetime.date(2026, 12, 1)
+    torch.save(state, f)
     _reseal(step_dir)
-    assert not marker.exists()
-    log = tmp_path / "resume.txt"
-    rc = run([*BASE, "schedule.train_steps=5", f"experiment.run_dir={run_dir}"], log=log)
+    log = tmp / "refused.txt"
+    jobs["untrusted_class"] = _start([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}"], log)
+    made["untrusted_class"] = (log, run_dir, step_dir, f)
+
+    tmp = tmp_path_factory.mktemp("fsize")
+    run_dir, step_dir = _copy(saved, tmp)
+    assert max(p.stat().st_size for p in step_dir.rglob("*.distcp")) > FSIZE_LIMIT
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+
+    log = tmp / "log.txt"
+    jobs["fsize"] = _start([*BASE, "schedule.train_steps=5", f"experiment.run_dir={run_dir}"], log,
+                           preexec_fn=limited)
+    made["fsize"] = (log, run_dir, step_dir, None)
+    codes = side_by_side(jobs)
+    return {name: (codes[name], *made[name]) for name in jobs}
+
+
+@pytest.mark.parametrize("vector", sorted(PLANTS))
+def test_a_planted_pickle_is_refused_and_never_runs(resumes, vector):
+    rc, log, _, _, (planted, marker) = resumes[vector]
     text = log.read_text()
     assert rc == 1, tail(log)
     assert not marker.exists()
@@ -146,20 +197,12 @@ def test_payloads_run_under_permissive_loads(saved, tmp_path):
         assert marker.exists(), name
 
 
-def test_trust_true_loads_what_trust_false_refuses(saved, tmp_path):
+def test_trust_true_loads_what_trust_false_refuses(resumes, tmp_path):
     """``checkpoint.trust=true`` restores the permissive loads, for a checkpoint you wrote yourself: an RNG
     file holding a class outside the allow-list (a harmless ``datetime.date``) is refused by default, naming
     the file and the class, and resumes with trust."""
-    import datetime
-
-    run_dir, step_dir = _copy(saved, tmp_path)
-    f = step_dir / "rng" / "rank_00000.pt"
-    state = torch.load(f, weights_only=True)
-    state["extra"]["written"] = datetime.date(2026, 12, 1)
-    torch.save(state, f)
-    _reseal(step_dir)
-    log = tmp_path / "refused.txt"
-    assert run([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}"], log=log) == 1, tail(log)
+    rc, log, run_dir, _, f = resumes["untrusted_class"]
+    assert rc == 1, tail(log)
     assert f"{f} holds a pickled datetime.date" in tail(log, 5)
     log = tmp_path / "trusted.txt"
     assert run([*BASE, "schedule.train_steps=4", f"experiment.run_dir={run_dir}", "checkpoint.trust=true"],
@@ -167,22 +210,12 @@ def test_trust_true_loads_what_trust_false_refuses(saved, tmp_path):
     assert "resumed from" in log.read_text()
 
 
-def test_file_size_limit_during_a_save_stops_cleanly(saved, tmp_path):
+def test_file_size_limit_during_a_save_stops_cleanly(resumes):
     """A save that hits ``RLIMIT_FSIZE`` (4 MiB, below the 15 MB shards; the logs and the RNG file stay
     under it): exit status 4 with one line naming the limit, the partial ``.tmp_step_*`` removed, the
     previous checkpoint intact and still what a resume picks."""
-    run_dir, step_dir = _copy(saved, tmp_path)
-    limit = 4 << 20
-    assert max(p.stat().st_size for p in step_dir.rglob("*.distcp")) > limit
-
-    def limited():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    log = tmp_path / "log.txt"
-    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *BASE, "schedule.train_steps=5",
-                          f"experiment.run_dir={run_dir}"], cwd=ROOT, env=env(), stdout=open(log, "w"),
-                         stderr=subprocess.STDOUT, preexec_fn=limited)
-    assert p.wait(timeout=300) == 4, tail(log)
+    rc, log, run_dir, step_dir, _ = resumes["fsize"]
+    assert rc == 4, tail(log)
     lines = [line for line in log.read_text().splitlines() if line.startswith("train.py: ")]
     assert len(lines) == 1, tail(log)
     assert "cannot write" in lines[0] and "file-size limit" in lines[0] and "earlier checkpoints are intact" in lines[0]

@@ -119,10 +119,20 @@ def _kill_during_a_save(proc, run_dir: Path, rng: random.Random, log: Path, time
     raise TimeoutError(f"no save started within {timeout}s:\n{tail(log)}")
 
 
-def test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint(tmp_path):
+def kill_schedule_seed() -> int:
     fixed = os.environ.get("TEST_GEN_SEED")  # replays a schedule, as for the gen fixture (tests/conftest.py)
-    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
+    return int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
+
+
+def test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint(reliability_runs):
+    seed, result = reliability_runs["test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint"]
     print(f"[kill schedule seed {seed}]")
+    print("kills (step of the save, moment, result):", result.result())
+
+
+def kill_during_saves(tmp_path: Path, seed: int) -> list:
+    """The test's runs and checks (run by the package fixture ``reliability_runs``, beside the other end-to-end
+    runs of tests/reliability); returns the kills' outcomes."""
     rng = random.Random(seed)
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     root = run_dir / "checkpoints"
@@ -166,7 +176,6 @@ def test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint
             if (root / "latest").exists():
                 latest = root / (root / "latest").read_text().strip()
                 assert latest.name <= found.name and verify_checkpoint(latest) == [], (outcomes, latest)
-        print("kills (step of the save, moment, result):", outcomes)
 
     except BaseException:
         ref.kill()  # no orphaned reference run
@@ -185,3 +194,4 @@ def test_sigkill_during_saves_always_resumes_from_the_newest_complete_checkpoint
             assert a[key] == b[key], (a["step"], key, a[key], b[key])  # bitwise: the resumed steps are exact
     assert (root / "latest").read_text().strip() == step_dir_name(STEPS)
     assert not list(root.glob(".tmp_*"))
+    return outcomes

@@ -29,7 +29,13 @@ def _events(run_dir, name):
     return [r for r in recs if r["type"] == "event" and r["event"] == name]
 
 
-def test_nan_gradient_in_one_layer_is_skipped_named_and_resumed(tmp_path):
+def test_nan_gradient_in_one_layer_is_skipped_named_and_resumed(reliability_runs):
+    reliability_runs["test_nan_gradient_in_one_layer_is_skipped_named_and_resumed"].result()
+
+
+def nan_gradient_runs(tmp_path) -> None:
+    """The test's runs and checks (run by the package fixture ``reliability_runs``, beside the other end-to-end
+    runs of tests/reliability)."""
     bad, ref = tmp_path / "bad", tmp_path / "ref"
     r = start([*BASE, f"experiment.run_dir={ref}"], log=tmp_path / "ref.log")
     # optimizer steps 3 and 4 (0-based; steps 4 and 5 counted from 1) get a NaN gradient at LAYER's output

@@ -40,7 +40,13 @@ def _batches(path):
     return path.read_text().split()
 
 
-def test_spike_is_logged_or_rolled_back_past_its_data_window(tmp_path):
+def test_spike_is_logged_or_rolled_back_past_its_data_window(reliability_runs):
+    reliability_runs["test_spike_is_logged_or_rolled_back_past_its_data_window"].result()
+
+
+def spike_runs(tmp_path) -> None:
+    """The test's runs and checks (run by the package fixture ``reliability_runs``, beside the other end-to-end
+    runs of tests/reliability)."""
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     # A: log only, 12 steps, the loss of step 6 (0-based 5) x 3. Its batches are the reference stream: B's
     # dataset has the same size (10 steps + a reserve of max_rollbacks x checkpoint.interval = 2 steps).

@@ -10,27 +10,51 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from nvfp4_train.metrics import load_metrics
+from tests.side_by_side import for_selected_tests
 from tests.trainer.runs import TINY, env, run, start, tail
 from tests.trainer.test_train_run import _events, _wait_for_step
 
 
-def test_no_checkpoint_is_written_during_a_streak_of_bad_steps(tmp_path):
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> tuple[Path, dict]:
+    """The train.py runs of the tests below (each test's runs in the order they need), two tests' runs at a
+    time: ``(folder, {test name: future of what its runs left})``."""
+    tmp = tmp_path_factory.mktemp("run_faults")
+    return tmp, for_selected_tests(request, {
+        "test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval": lambda: _resumes(tmp),
+        "test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over":
+            lambda: _second_run(tmp),
+        "test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0":
+            lambda: _dataloader_workers(tmp),
+        "test_no_checkpoint_is_written_during_a_streak_of_bad_steps": lambda: _streak(tmp),
+        "test_sigterm_before_the_first_step_exits_0_and_names_it": lambda: _sigterm_in_build(tmp),
+    })
+
+
+def _streak(tmp: Path) -> tuple:
+    out = tmp / "n"
+    args = [*TINY, "schedule.train_steps=6", "optim.max_consecutive_bad_steps=3", "checkpoint.interval=1",
+            f"experiment.run_dir={out}"]
+    return run(args, log=tmp / "n.log", STANDIN_NAN="loss:2,3,4"), out
+
+
+def test_no_checkpoint_is_written_during_a_streak_of_bad_steps(runs):
     """NaN losses from step 3 (counted from 1) on, a checkpoint due every step: steps 3 and 4 are skipped and
     save nothing (before: step_3 and step_4 were written from the failing state and the stop report named
     step_4); the stop report names step_2, the last checkpoint before the streak."""
-    out = tmp_path / "n"
-    args = [*TINY, "schedule.train_steps=6", "optim.max_consecutive_bad_steps=3", "checkpoint.interval=1",
-            f"experiment.run_dir={out}"]
-    assert run(args, log=tmp_path / "n.log", STANDIN_NAN="loss:2,3,4") == 3, tail(tmp_path / "n.log")
+    tmp, res = runs
+    rc, out = res["test_no_checkpoint_is_written_during_a_streak_of_bad_steps"].result()
+    assert rc == 3, tail(tmp / "n.log")
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
     assert [e["step"] for e in _events(out) if e["event"] == "checkpoint_skipped"] == [3, 4]
     (div,) = [e for e in _events(out) if e["event"] == "diverged"]
     assert div["last_good_checkpoint"] == str(out / "checkpoints" / "step_0000002")
-    assert f"The last good checkpoint is {out / 'checkpoints' / 'step_0000002'}" in (tmp_path / "n.log").read_text()
+    assert f"The last good checkpoint is {out / 'checkpoints' / 'step_0000002'}" in (tmp / "n.log").read_text()
 
 
 _HOLD = """
@@ -43,21 +67,34 @@ time.sleep(600)
 """
 
 
-def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over(tmp_path):
-    out = tmp_path / "r"
+def _second_run(tmp: Path) -> dict:
+    """A run directory locked by a live process (a second run is refused), then by a dead one (taken over)."""
+    out = tmp / "r"
     out.mkdir()
+    got = {"out": out}
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        got["holder"] = holder.stdout.readline().strip()
         args = [*TINY, "schedule.train_steps=3", f"experiment.run_dir={out}"]
-        assert run(args, log=tmp_path / "second.log") == 2, tail(tmp_path / "second.log")
-        log = (tmp_path / "second.log").read_text()
-        assert f"run directory {out} is in use by another run (pid 4242 on host elsewhere" in log
-        assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()  # nothing mixed in
+        got["second"] = run(args, log=tmp / "second.log")
+        got["mixed_in"] = (out / "metrics.jsonl").exists() or (out / "config.yaml").exists()
     finally:
         holder.kill()  # SIGKILL: the kernel drops its flock, the lock file stays
         holder.wait()
-    assert run(args, log=tmp_path / "third.log") == 0, tail(tmp_path / "third.log")
+    got["third"] = run(args, log=tmp / "third.log")
+    return got
+
+
+def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over(runs):
+    tmp, res = runs
+    got = res["test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_taken_over"].result()
+    out = got["out"]
+    assert got["holder"] == "locked"
+    assert got["second"] == 2, tail(tmp / "second.log")
+    log = (tmp / "second.log").read_text()
+    assert f"run directory {out} is in use by another run (pid 4242 on host elsewhere" in log
+    assert not got["mixed_in"]  # nothing mixed in: no metrics.jsonl, no config.yaml
+    assert got["third"] == 0, tail(tmp / "third.log")
     (ev,) = [e for e in _events(out) if e["event"] == "lock_taken_over"]
     assert ev["previous"] == "pid 4242 on host elsewhere"
 
@@ -104,27 +141,43 @@ def test_a_forked_child_does_not_hold_the_run_directory_lock(tmp_path):
             pass
 
 
-def test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0(tmp_path):
+def _dataloader_workers(tmp: Path) -> tuple:
+    out = tmp / "w"
+    p = start([*TINY, "schedule.train_steps=40", "data.num_workers=2", f"experiment.run_dir={out}"],
+              log=tmp / "w.log", new_session=True)
+    try:
+        _wait_for_step(out, 2, p)
+        os.killpg(p.pid, signal.SIGTERM)
+        return p.wait(timeout=240), out
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0(runs):
     """With data.num_workers=2 the SIGTERM of the whole group (Slurm, `timeout`) killed the workers and the run
     died ("DataLoader worker ... is killed by signal: Terminated") without a checkpoint."""
-    out = tmp_path / "w"
-    p = start([*TINY, "schedule.train_steps=40", "data.num_workers=2", f"experiment.run_dir={out}"],
-              log=tmp_path / "w.log", new_session=True)
-    _wait_for_step(out, 2, p)
-    os.killpg(p.pid, signal.SIGTERM)
-    assert p.wait(timeout=240) == 0, tail(tmp_path / "w.log")
+    tmp, res = runs
+    rc, out = res["test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0"].result()
+    assert rc == 0, tail(tmp / "w.log")
     stopped = [e for e in _events(out) if e["event"] == "signal"][0]["step"]
     assert (out / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
 
 
-def test_sigterm_before_the_first_step_exits_0_and_names_it(tmp_path):
-    """A SIGTERM while the model is built (it ended the process with -15): the run stops before training,
-    exit 0, with a message; nothing is saved."""
-    out = tmp_path / "s"
+def _sigterm_in_build(tmp: Path) -> tuple:
+    out = tmp / "s"
     args = [*TINY, "schedule.train_steps=3", "experiment.model_provider=tests.reliability.providers:gpt",
             f"experiment.run_dir={out}"]
-    assert run(args, log=tmp_path / "s.log", RELIABILITY_SIGTERM_IN_BUILD="1") == 0, tail(tmp_path / "s.log")
-    assert "signal received before the first step; stopping without training" in (tmp_path / "s.log").read_text()
+    return run(args, log=tmp / "s.log", RELIABILITY_SIGTERM_IN_BUILD="1"), out
+
+
+def test_sigterm_before_the_first_step_exits_0_and_names_it(runs):
+    """A SIGTERM while the model is built (it ended the process with -15): the run stops before training,
+    exit 0, with a message; nothing is saved."""
+    tmp, res = runs
+    rc, out = res["test_sigterm_before_the_first_step_exits_0_and_names_it"].result()
+    assert rc == 0, tail(tmp / "s.log")
+    assert "signal received before the first step; stopping without training" in (tmp / "s.log").read_text()
     assert load_metrics(out) == [] and not list((out / "checkpoints").glob("step_*"))  # the directory is checked writable up front
     (ev,) = [e for e in _events(out) if e["event"] == "signal"]
     assert ev["before_first_step"] is True
@@ -146,19 +199,31 @@ def test_sigterm_while_the_config_is_composed_exits_0(tmp_path):
     assert "stopped by signal SIGTERM before training started (nothing to save)" in r.stderr
 
 
-def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(tmp_path):
-    out = tmp_path / "c"
+def _resumes(tmp: Path) -> dict:
+    """A 3-step run, the finished run again, then longer and in another precision; what each run left."""
+    out = tmp / "c"
     base = [*TINY, f"experiment.run_dir={out}"]
-    assert run([*base, "schedule.train_steps=3"], log=tmp_path / "1.log") == 0, tail(tmp_path / "1.log")
-    assert [r["step"] for r in load_metrics(out, "eval")] == [3]
+    got = {"out": out, "first": run([*base, "schedule.train_steps=3"], log=tmp / "1.log")}
+    got["first_evals"] = [r["step"] for r in load_metrics(out, "eval")] if got["first"] == 0 else None
+    got["again"] = run([*base, "schedule.train_steps=3"], log=tmp / "2.log")
+    got["again_evals"] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+                          if '"type": "eval"' in x]
+    got["longer"] = run([*base, "schedule.train_steps=5", "precision=bf16"], log=tmp / "3.log")
+    return got
+
+
+def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(runs):
+    tmp, res = runs
+    got = res["test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval"].result()
+    out = got["out"]
+    assert got["first"] == 0, tail(tmp / "1.log")
+    assert got["first_evals"] == [3]
     # the finished run again: it resumes at its end and appends no second eval record
-    assert run([*base, "schedule.train_steps=3"], log=tmp_path / "2.log") == 0, tail(tmp_path / "2.log")
-    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"type": "eval"' in x]
-    assert [r["step"] for r in evals] == [3]
+    assert got["again"] == 0, tail(tmp / "2.log")
+    assert [r["step"] for r in got["again_evals"]] == [3]
     # longer, and another precision: a warning and an event for each
-    rc = run([*base, "schedule.train_steps=5", "precision=bf16"], log=tmp_path / "3.log")
-    assert rc == 0, tail(tmp_path / "3.log")
-    log = (tmp_path / "3.log").read_text()
+    assert got["longer"] == 0, tail(tmp / "3.log")
+    log = (tmp / "3.log").read_text()
     assert "the schedule differs from checkpoint" in log and "the precision differs from checkpoint" in log
     (sched,) = [e for e in _events(out) if e["event"] == "schedule_change"]
     assert sched["step"] == 3 and sched["changed"]["train_steps"] == [3, 5]

@@ -4,12 +4,14 @@ SIGTERM, fallback from a damaged checkpoint, a checkpoint of another model, non-
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 
 import pytest
 
 from nvfp4_train.metrics import load_metrics
+from tests.side_by_side import for_selected_tests
 from tests.trainer.runs import TINY, run, start, tail
 
 STEPS = 8
@@ -38,7 +40,23 @@ def _same(a, b, keys=("loss", "grad_norm", "lr", "tokens")):
             assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])  # bitwise (floats round-trip through JSON)
 
 
-def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
+@pytest.fixture(scope="module")
+def train_runs(request, tmp_path_factory) -> dict:
+    """Each test's runs and checks in a thread, two tests at a time (their runs partly come one at a time):
+    ``{test name: future}``; each test waits for its own, and its failure is raised there."""
+    jobs = {"test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back": _sigterm_resume_gpt,
+            "test_nonfinite_steps_are_skipped_then_the_run_stops": _nonfinite_steps,
+            "test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model": _sigterm_resume_hybrid,
+            "test_nonfinite_check_after_skip_trains_the_hybrid_nvfp4_model": _after_skip_hybrid}
+    dirs = {name: tmp_path_factory.mktemp(name.removeprefix("test_")[:40]) for name in jobs}
+    return for_selected_tests(request, {name: (lambda f=f, d=dirs[name]: f(d)) for name, f in jobs.items()})
+
+
+def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(train_runs):
+    train_runs["test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back"].result()
+
+
+def _sigterm_resume_gpt(tmp_path):
     """Run A uninterrupted; run B checkpoints every 2 steps, gets SIGTERM sent to its whole process group (as
     Slurm and `timeout` do: megatron's checkpoint-writer helper must survive it) after step 3, saves, exits 0,
     and is resumed: B's per-step losses, grad norms and lrs equal A's bitwise."""
@@ -59,7 +77,16 @@ def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
     assert (b_dir / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
     assert (b_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:07d}"
 
+    # a checkpoint of another model size is a clear error, not a fallback (on a copy of B, beside B's resume)
+    b4_dir = tmp_path / "b4"
+    shutil.copytree(b_dir, b4_dir)
+    b4 = start([*base, "checkpoint.interval=2", f"experiment.run_dir={b4_dir}", "model.hidden_size=64"],
+               log=tmp_path / "b4.log")
     assert run(b_args, log=tmp_path / "b2.log") == 0, tail(tmp_path / "b2.log")
+    rc = b4.wait(timeout=240)
+    log = (tmp_path / "b4.log").read_text()
+    assert rc != 0
+    assert "was written for another model" in log and "hidden_size: checkpoint 32, this run 64" in log
     assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped]
     ref = load_metrics(a_dir)
     _same(ref, load_metrics(b_dir))
@@ -79,14 +106,12 @@ def test_sigterm_resume_is_bitwise_and_damaged_checkpoint_falls_back(tmp_path):
     assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped, previous]
     _same(ref, load_metrics(b_dir))
 
-    # a checkpoint of another model size is a clear error, not a fallback
-    rc = run([*b_args, "model.hidden_size=64"], log=tmp_path / "b4.log")
-    log = (tmp_path / "b4.log").read_text()
-    assert rc != 0
-    assert "was written for another model" in log and "hidden_size: checkpoint 32, this run 64" in log
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(train_runs):
+    train_runs["test_nonfinite_steps_are_skipped_then_the_run_stops"].result()
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+def _nonfinite_steps(tmp_path):
     base = [*TINY, "schedule.train_steps=6", "optim.max_consecutive_bad_steps=3"]
     # grad: step 1 (0-based) gets a NaN gradient with a finite loss -> megatron's found-inf path skips it
     g = start([*base, f"experiment.run_dir={tmp_path / 'g'}"], log=tmp_path / "g.log", STANDIN_NAN="grad:1")
@@ -113,7 +138,11 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert not list((tmp_path / "n" / "checkpoints").glob("step_*"))  # the directory is checked writable up front
 
 
-def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
+def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(train_runs):
+    train_runs["test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model"].result()
+
+
+def _sigterm_resume_hybrid(tmp_path):
     """The same with the real model (nvfp4_train.models.build, tiny, nvfp4): stochastic rounding of the gradients draws
     from per-layer counters, which the checkpoint carries (tiny keeps 4 of 12 layers in bf16; the others
     round dy stochastically in dgrad and wgrad). This one saves the optimizer state as dp_reshardable (the
@@ -141,7 +170,11 @@ def test_sigterm_resume_is_bitwise_with_the_hybrid_nvfp4_model(tmp_path):
     assert set(layers["blocks.2.attention.qkv"]["fprop.x"]) == {"zero", "saturated", "sqnr_db"}
 
 
-def test_nonfinite_check_after_skip_trains_the_hybrid_nvfp4_model(tmp_path):
+def test_nonfinite_check_after_skip_trains_the_hybrid_nvfp4_model(train_runs):
+    train_runs["test_nonfinite_check_after_skip_trains_the_hybrid_nvfp4_model"].result()
+
+
+def _after_skip_hybrid(tmp_path):
     """``logging.nonfinite_check=after_skip`` through train.py with real quantized layers: the check starts off
     (test_telemetry covers the switching) and training is unchanged by it: the losses equal the default's."""
     pytest.importorskip("nvfp4_train.models.build")
