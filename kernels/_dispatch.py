@@ -24,6 +24,11 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpret_mode()
 
 
+def _cuda_index(x: torch.Tensor) -> int:
+    """The index of the CUDA device ``x`` lives on."""
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -31,7 +36,7 @@ def persistent_grid(x: torch.Tensor, n_tiles: int, per_sm: int = 4) -> tuple[int
     """The grid of a persistent kernel over ``n_tiles`` tiles of ``x``: ``per_sm`` programs per
     multiprocessor of x's GPU (at most one per tile; 4 programs under the interpreter)."""
     if x.is_cuda:
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        dev = _cuda_index(x)
         if dev not in _NUM_SMS:
             _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
         return (max(1, min(n_tiles, per_sm * _NUM_SMS[dev])),)
@@ -47,7 +52,7 @@ def has_e4m3_convert(x: torch.Tensor) -> bool:
     arithmetic elsewhere (older GPUs, the interpreter)."""
     if not x.is_cuda:
         return False
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = _cuda_index(x)
     if dev not in _E4M3_CVT:
         _E4M3_CVT[dev] = torch.cuda.get_device_capability(dev) >= (8, 9)
     return _E4M3_CVT[dev]
