@@ -29,29 +29,28 @@ The dot dtype is "fp16", "bf16" (GPU only: the interpreter multiplies raw bf16 b
 interpreter's dtype for bf16 callers and MXFP4; on the GPU ``input_precision="ieee"``).
 
 The two Hopper engines of the 16-bit GEMM (``engine=``, from the run's ``precision.gemm_engine``):
-  * "cublas" (the default): ``acc = torch.mm(a, b.t(), out_dtype=torch.float32)`` on bf16 operands (cuBLAS,
-    fp32 accumulation AND fp32 output: the raw accumulator, torch >= 2.8), then ONE Triton elementwise pass
-    ``_alpha_scale_kernel`` that forms ``nvfp4_alpha`` from the two amax device scalars (``div_rn`` twice,
-    one product: the same bits as torch) and computes ``fl(acc * alpha)`` rounded to bf16 by ``_bf16_rne``
-    (fp32 output: in place). Under ``TRITON_INTERPRET=1`` (CPU tensors) ``aten::mm.dtype`` does not exist:
-    the accumulator is ``a.float() @ b.float().t()`` (the same exact products, another order).
+  * "cublas" (the default): on CUDA ONE cuBLASLt GEMM on the bf16 operands with alpha read from device memory
+    in its epilogue (``kernels/cublaslt.py``: fp32 accumulation, ``fl32(acc * alpha)``, one RNE rounding to the
+    output dtype); the dequantize launch forms ``nvfp4_alpha`` from the two amax device scalars (``div_rn``
+    twice, one product: torch's bits) for it. fp16 operands into bf16 output (no such cuBLASLt pair) go through
+    its fp32 output and the rounding pass below. Under ``TRITON_INTERPRET=1`` (CPU tensors) the accumulator
+    is ``a.float() @ b.float().t()`` (the same exact products, another order), then ONE Triton elementwise pass
+    ``_alpha_scale_kernel`` that forms alpha from the amaxes and computes ``fl(acc * alpha)`` rounded to bf16
+    by ``_bf16_rne`` (fp32 output: in place).
   * "triton": ``_gemm16_kernel``, a pipelined 16-bit Triton GEMM (fp16 operands) with the same epilogue
     arithmetic in registers, alpha loaded from its device pointer. Also the MXFP4 GEMM's kernel.
-Measured in one run on the H200 (docs/benchmarks.md): "cublas" 0.91-0.98x cuBLAS BF16 on the six 12B GEMM
-shapes with the dequantize pass included, "triton" 0.81-0.84x. Both are exact up to the fp32 summation order.
+Measured in one run on the H200 (docs/benchmarks.md): the cuBLAS engine against the design it replaced
+(cuBLAS with fp32 output, then the alpha pass), and "triton" at 0.81-0.84x cuBLAS BF16. Both engines are exact
+up to the fp32 summation order.
 
-Split-K and 16-bit reductions: torch's ``allow_bf16_reduced_precision_reduction`` /
-``allow_fp16_reduced_precision_reduction`` only let cuBLAS reduce split-K partials in the OUTPUT type when
-that is narrower than the fp32 compute type (cuBLAS's CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
-"forces any reductions ... to use the accumulator type rather than the output type ... where output type
-precision is less than compute type precision"); here the output type IS fp32, so every partial sum is
-fp32 whatever those switches say. ``allow_fp16_accumulation`` makes torch REFUSE fp16 x fp16 -> fp32 (an
-error, not a silent change); bf16 operands are not affected by it. A GPU test with exact partial sums at
-K = 20480 (tests/kernels/test_nvfp4_gemm_cublas.py), run with both reduced-precision switches on, would
-catch a 16-bit reduction if that reading of the documentation were wrong.
+Split-K: the cuBLASLt GEMM allows only split-K schemes that reduce the partial sums in fp32 (its compute type,
+``CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE``), whatever torch's ``allow_bf16_reduced_precision_reduction`` /
+``allow_fp16_reduced_precision_reduction`` say (they apply to torch's own GEMM calls). A GPU test with exact
+partial sums at K = 20480 (tests/kernels/test_nvfp4_gemm_cublas.py), run with both switches on, would catch a
+16-bit reduction.
 
-Other designs measured on the way (a GEMM that dequantizes in its registers, a
-single-operand dequantize launch; docs/benchmarks.md) are in git history.
+Other designs measured on the way (a GEMM that dequantizes in its registers, a single-operand dequantize
+launch, cuBLAS with fp32 output followed by a separate alpha pass; docs/benchmarks.md) are in git history.
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import interpret_mode
+from nvfp4_train.kernels.cublaslt import matmul_device_alpha, supported_dtypes
 from nvfp4_train.kernels.fp4_triton import cdiv, round_to_bf16, u32
 
 # compile-time codes
@@ -235,12 +235,19 @@ def _dequant_tile_store(
 def _dequant_pair_kernel(
     a_codes, a_scales, a_out, M, s_acm, s_ack, s_asm, s_ask, s_aom, s_aok,
     b_codes, b_scales, b_out, N, s_bcm, s_bck, s_bsm, s_bsk, s_bom, s_bok,
-    K, FMT: tl.constexpr, SB: tl.constexpr, DOT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    K, amax_a, amax_b, alpha_out,
+    FMT: tl.constexpr, SB: tl.constexpr, DOT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ALPHA: tl.constexpr,
 ):
     """Both operands of one GEMM in ONE launch: row tiles 0 .. cdiv(M, BM) - 1 of axis 0 dequantize A, the
-    following cdiv(N, BM) ones B (axis 1: the K tiles, shared). Each program takes one branch."""
+    following cdiv(N, BM) ones B (axis 1: the K tiles, shared). Each program takes one branch. ``ALPHA``:
+    program (0, 0) also writes ``nvfp4_alpha(amax_a, amax_b) = fl(amax_a / 2688) * fl(amax_b / 2688)``
+    (correctly rounded divisions, one product: torch's bits) to ``alpha_out`` for the GEMM's epilogue."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if ALPHA:
+        if (pid == 0) & (pid_k == 0):
+            tl.store(alpha_out, tl.math.div_rn(tl.load(amax_a), 2688.0) * tl.math.div_rn(tl.load(amax_b), 2688.0))
     tiles_a = tl.cdiv(M, BM)
     if pid < tiles_a:
         _dequant_tile_store(a_codes, a_scales, a_out, M, K, s_acm, s_ack, s_asm, s_ask, s_aom, s_aok,
@@ -430,34 +437,41 @@ def dequantize_fp4_blockwise_pair_triton(
 
 
 def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, dtype, block_m=64, block_k=128,
-                  num_warps=4):
+                  num_warps=4, amax=None):
     """``dequantize_fp4_blockwise_pair_triton`` without its shape and device checks (for callers that made
-    them: ``predequant_fp4_gemm``)."""
+    them: ``predequant_fp4_gemm``). ``amax=(amax_a, amax_b)`` (two 1-element fp32 tensors on the codes' device):
+    the launch also forms ``nvfp4_alpha`` from them, returned third as a 1-element fp32 device tensor."""
     dot, kdot = _dequant_dtypes(dtype, scale_format)
     M, K = a_codes.shape[0], a_codes.shape[1] * 2
     N = b_codes.shape[0]
     dev = a_codes.device
     out = torch.empty((M + N, K), dtype=dtype, device=dev)
+    alpha = None if amax is None else torch.empty(1, dtype=torch.float32, device=dev)
     if M + N == 0 or K == 0:
-        return out[:M], out[M:]
+        if alpha is not None:
+            alpha.copy_(_alpha_of_amax(amax))
+        ta, tb = out[:M], out[M:]
+        return (ta, tb) if alpha is None else (ta, tb, alpha)
     a_s = a_scales.view(torch.uint8)
     b_s = b_scales.view(torch.uint8)
     block_k = max(block_k, block)
     grid = (cdiv(M, block_m) + cdiv(N, block_m), cdiv(K, block_k))
     tmp = out if kdot == dot else torch.empty((M + N, K), dtype=torch.float32, device=dev)
     ta, tb = tmp.split_with_sizes((M, N))  # = tmp[:M], tmp[M:] in one op
+    amax_a, amax_b = amax if amax is not None else (tmp, tmp)
     _dequant_pair_kernel[grid](
         a_codes, a_s, ta, M, a_codes.stride(0), a_codes.stride(1), a_s.stride(0), a_s.stride(1),
         ta.stride(0), ta.stride(1),
         b_codes, b_s, tb, N, b_codes.stride(0), b_codes.stride(1), b_s.stride(0), b_s.stride(1),
         tb.stride(0), tb.stride(1),
-        K, FMT=0 if scale_format == "e4m3" else 1, SB=block, DOT=_DOT_CODES[kdot], BM=block_m, BK=block_k,
-        num_warps=num_warps,
+        K, amax_a, amax_b, alpha if alpha is not None else tmp,
+        FMT=0 if scale_format == "e4m3" else 1, SB=block, DOT=_DOT_CODES[kdot], BM=block_m, BK=block_k,
+        ALPHA=alpha is not None, num_warps=num_warps,
     )
     if tmp is not out:
         out.copy_(tmp)
-        return out.split_with_sizes((M, N))
-    return ta, tb
+        ta, tb = out.split_with_sizes((M, N))
+    return (ta, tb) if alpha is None else (ta, tb, alpha)
 
 
 def _check_gemm16_args(
@@ -630,17 +644,27 @@ def gemm_alpha_cublas(
     return _gemm_alpha_cublas(a, b, alpha, out_dtype, amax)
 
 
+def _alpha_of_amax(amax: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``nvfp4_alpha`` of an amax pair with torch ops on their device (three small kernels; the dequantize
+    launch forms it for free where it runs)."""
+    from nvfp4_train.kernels.nvfp4.reference import nvfp4_alpha
+
+    return nvfp4_alpha(amax[0], amax[1]).reshape(1)
+
+
 def _gemm_alpha_cublas(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype,
                        amax: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """``gemm_alpha_cublas`` without its checks (``alpha`` and ``amax`` as ``_scale_alpha`` takes them)."""
+    """``gemm_alpha_cublas`` without its checks (``alpha`` and ``amax`` as ``_scale_alpha`` takes them).
+    CUDA: one cuBLASLt GEMM with alpha read from the device in its epilogue (``kernels/cublaslt.py``);
+    fp16 operands into bf16, a pair cuBLASLt does not run, go through its fp32 output and the rounding pass.
+    CPU (the interpreter): the fp32 product, then the Triton alpha pass."""
     if a.is_cuda:
-        try:
-            acc = torch.mm(a, b.t(), out_dtype=torch.float32)
-        except TypeError as e:  # torch < 2.8: no aten::mm.dtype
-            raise RuntimeError(f"gemm_alpha_cublas needs torch.mm(..., out_dtype=torch.float32) (torch >= 2.8), "
-                               f"torch {torch.__version__}: {e}") from e
-    else:
-        acc = a.float() @ b.float().t()
+        if amax is not None:
+            alpha = _alpha_of_amax(amax)
+        if supported_dtypes(a.dtype, out_dtype):
+            return matmul_device_alpha(a, b, alpha, out_dtype)
+        return _scale_alpha(matmul_device_alpha(a, b, alpha, torch.float32), None, out_dtype, None)
+    acc = a.float() @ b.float().t()
     return _scale_alpha(acc, alpha, out_dtype, amax)
 
 
@@ -684,13 +708,21 @@ def predequant_fp4_gemm(
     else:
         dot_dtype = dot_dtype or "fp16"
         _check_dot_dtype(dot_dtype)
+    if engine == "cublas":
+        # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
+        # the amax pair are checked here, once. On CUDA the dequantize launch also forms alpha from the amax
+        # pair (cuBLASLt reads it from there); the interpreter's alpha pass forms it itself.
+        dev = a_codes.device
+        alpha = _check_out_and_alpha(out_dtype, alpha, dev)
+        amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, dev)
+        if amax is not None and dev.type == "cuda":
+            da, db, alpha = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block,
+                                          scale_format=scale_format, dtype=_DOT_TORCH[dot_dtype], amax=amax)
+            return _gemm_alpha_cublas(da, db, alpha, out_dtype, None)
+        da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
+                               dtype=_DOT_TORCH[dot_dtype])
+        return _gemm_alpha_cublas(da, db, alpha, out_dtype, amax)
     # both operands in one dequantize launch (shapes and devices checked above: _check_operands)
     da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
                            dtype=_DOT_TORCH[dot_dtype])
-    if engine == "cublas":
-        # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
-        # the amax pair are checked here, once
-        alpha = _check_out_and_alpha(out_dtype, alpha, da.device)
-        amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, da.device)
-        return _gemm_alpha_cublas(da, db, alpha, out_dtype, amax)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)

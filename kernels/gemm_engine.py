@@ -4,7 +4,7 @@ The run chooses one with ``precision.gemm_engine`` (validated once, in the confi
 to every GEMM call. Pure Python at import (the recipes import the names without torch); torch and the native
 engine's module are imported where they are used.
 
-    "cublas"  Hopper: both operands dequantized to bf16 once, cuBLAS with fp32 output, one Triton alpha pass
+    "cublas"  Hopper: both operands dequantized to bf16 once, one cuBLASLt GEMM with alpha in its epilogue
     "triton"  Hopper: the same operands (fp16), one Triton 16-bit GEMM with alpha in its epilogue
     "native"  sm_100+: the FP4 tensor-core GEMM (``kernels/nvfp4/native.py``, ``kernels/mxfp4/native.py``)
     "auto"    "native" where the device supports it, else ``DEFAULT_GEMM_ENGINE``

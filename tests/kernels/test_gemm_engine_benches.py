@@ -20,11 +20,11 @@ def test_bench_kernels_dry_run_measures_the_cublas_engine(tmp_path):
                            "--shapes", "qkv", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env={**ENV, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "cuBLAS-engine total" in proc.stdout and "cublas fp32+alpha" in proc.stdout
+    assert "cuBLAS-engine total" in proc.stdout and "cublasLt alpha epilogue" in proc.stdout
     res = json.loads(out.read_text())
     assert not res["failures"] and not res["quantize"]  # every check passed; --gemm-only: no quantize table
     (row,) = res["gemm"]
-    for key in ("cublas-engine total_ms", "cublas fp32+alpha_ms", "alpha pass_ms", "predequant fp16_ms",
+    for key in ("cublas-engine total_ms", "cublasLt alpha epilogue_ms", "mm fp32 + alpha pass_ms", "alpha pass_ms", "predequant fp16_ms",
                 "gemm16 fp16_ms"):
         assert row[key] is not None and row[key] > 0, key
 

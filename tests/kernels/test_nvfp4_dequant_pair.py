@@ -147,8 +147,10 @@ def test_predequant_gemm_one_dequant_launch(triton_device, gen, monkeypatch, eng
     b = on(random_operand(gen, N, K, block_2d=True), triton_device)
     dt = torch.bfloat16 if engine == "cublas" else torch.float16
     kw = dict(block=16, scale_format="e4m3", dtype=dt)
-    da = dequant_ref(a.codes, a.scales, **kw).to(triton_device)
-    db = dequant_ref(b.codes, b.scales, **kw).to(triton_device)
+    # the reference's operands laid out as the pair kernel lays them out (one [M + N, K] buffer): cuBLAS picks its
+    # algorithm, and so its summation order, by the operands' alignment too
+    both = torch.cat([dequant_ref(a.codes, a.scales, **kw), dequant_ref(b.codes, b.scales, **kw)]).to(triton_device)
+    da, db = both[:M], both[M:]
     pair = _CountLaunches(fp4_gemm._dequant_pair_kernel)
     monkeypatch.setattr(fp4_gemm, "_dequant_pair_kernel", pair)
     for out_dtype in (torch.float32, torch.bfloat16):
@@ -159,6 +161,28 @@ def test_predequant_gemm_one_dequant_launch(triton_device, gen, monkeypatch, eng
             want = gemm_alpha_triton(da, db, _alpha(a, b), out_dtype)
         assert same_bits(got, want), f"{engine} {out_dtype}"
     assert pair.n == 2
+
+
+@pytest.mark.triton
+def test_pair_forms_alpha_from_amax(triton_device, gen):
+    """Given the amax pair, the same launch also writes ``nvfp4_alpha``'s bits (the cuBLAS engine's epilogue reads
+    them on CUDA), for random amaxes and the edge values (0, subnormal, huge, Inf, NaN); the operands are the same
+    bits as without it."""
+    from nvfp4_train.kernels.nvfp4.reference import nvfp4_alpha
+
+    a = on(random_operand(gen, 19, 64), triton_device)
+    b = on(random_operand(gen, 32, 64, block_2d=True), triton_device)
+    kw = dict(block=16, scale_format="e4m3", dtype=torch.float16)
+    da0, db0 = fp4_gemm._dequant_pair(a.codes, a.scales, b.codes, b.scales, **kw)
+    rnd = (torch.rand(8, generator=gen) * 10.0 ** torch.randint(-30, 31, (8,), generator=gen)).tolist()
+    edges = [0.0, 1e-45, 3.4e38, float("inf"), float("nan"), 2688.0]
+    for x, y in list(zip(rnd, rnd[::-1])) + [(e, r) for e, r in zip(edges, rnd)] + [(r, e) for e, r in zip(edges, rnd)]:
+        ta, tb = (torch.tensor([v], dtype=torch.float32, device=triton_device) for v in (x, y))
+        da, db, alpha = fp4_gemm._dequant_pair(a.codes, a.scales, b.codes, b.scales, amax=(ta, tb), **kw)
+        want = nvfp4_alpha(ta.cpu(), tb.cpu()).reshape(1)
+        assert alpha.shape == (1,) and alpha.dtype == torch.float32
+        assert same_bits(alpha, want), f"amax ({x}, {y}): {alpha.item()} vs {want.item()}"
+        assert same_bits(da, da0) and same_bits(db, db0)
 
 
 def test_pair_argument_checks():

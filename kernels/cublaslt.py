@@ -1,0 +1,284 @@
+"""cuBLASLt's GEMM with alpha read from DEVICE memory: ``D = round_to_D(fl32(alpha * (A @ B^T)))``.
+
+torch calls cuBLAS with alpha as a host float only (``torch.addmm(..., alpha=)``), and the NVFP4 GEMM's
+alpha (``amax_A * amax_B / 2688^2``) lives on the device: reading it back would sync the host once per GEMM.
+cuBLASLt takes alpha by pointer (``CUBLASLT_POINTER_MODE_DEVICE``) and applies it in the GEMM's own epilogue,
+so the fp32 accumulator is scaled and rounded to the output dtype before it leaves the tensor-core kernel:
+no fp32 [M, N] round trip and no second pass. This module is the thin ``ctypes`` binding to the handful of
+cuBLASLt calls that needs (the library torch itself loaded; nothing is built).
+
+Arithmetic (RECIPE §3; the same as the Triton GEMM's epilogue): fp32 accumulation of exact products (the
+operands are dequantized FP4 values, exact in bf16/fp16), then ``fl32(alpha * acc)`` (scale type fp32, beta
+zero), then one rounding to the output dtype (RNE). Split-K is allowed only with the partial sums reduced in
+fp32 (``CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE``): the "in place" and "output type" schemes would add
+partial sums in a bf16 output. tests/kernels/test_nvfp4_gemm_cublas.py checks all of it bit for bit on
+exactly-summable inputs at K = 20480 on the GPU.
+
+Layout: A [M, K] and B [N, K] row-major (unit stride along K), D [M, N] row-major. In cuBLAS's column-major
+terms that is D^T (N x M) = op(B) (N x K) . op(A) (K x M) with B transposed: the "TN" GEMM torch runs for
+``a @ b.t()``.
+
+Per (device, shape, dtypes, leading dimensions, pointer alignments) the descriptors and the algorithm the
+heuristic picks are built once and kept; per (device, stream) one 32 MiB workspace. A call then costs one
+``cublasLtMatmul`` (and no host-device synchronization); it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+
+import torch
+
+__all__ = ["matmul_device_alpha", "supported_dtypes"]
+
+# cublasComputeType_t, cudaDataType_t, cublasOperation_t, cublasLtPointerMode_t (cublas_api.h, library_types.h)
+_COMPUTE_32F = 68
+_R_32F, _R_16F, _R_16BF = 0, 2, 14
+_OP_N, _OP_T = 0, 1
+_POINTER_MODE_DEVICE = 1
+# cublasLtMatmulDescAttributes_t
+_DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 2, 3, 4
+# cublasLtMatmulPreferenceAttributes_t
+_PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_REDUCTION_SCHEME_MASK = 3
+_PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}
+# cublasLtReductionScheme_t: fp32 partial sums in the workspace (NONE, no split-K, is always allowed)
+_REDUCTION_SCHEME_COMPUTE_TYPE = 2
+
+_WORKSPACE_BYTES = 32 * 1024 * 1024
+_DTYPE_CODE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+# (A/B dtype, D dtype) pairs cuBLASLt runs with fp32 compute and fp32 scale
+_SUPPORTED = {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+              (torch.float16, torch.float16), (torch.float16, torch.float32)}
+
+
+class _HeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def supported_dtypes(operand_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether ``matmul_device_alpha`` runs A, B of ``operand_dtype`` into D of ``out_dtype``."""
+    return (operand_dtype, out_dtype) in _SUPPORTED
+
+
+class _Lib:
+    """The loaded cuBLASLt: its functions with their C signatures, and a status check."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        p, i, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        pp = ctypes.POINTER(ctypes.c_void_p)
+        sigs = {
+            "cublasLtCreate": [pp],
+            "cublasLtMatmulDescCreate": [pp, i, i],
+            "cublasLtMatmulDescSetAttribute": [p, i, p, sz],
+            "cublasLtMatrixLayoutCreate": [pp, i, u64, u64, i64],
+            "cublasLtMatmulPreferenceCreate": [pp],
+            "cublasLtMatmulPreferenceSetAttribute": [p, i, p, sz],
+            "cublasLtMatmulPreferenceDestroy": [p],
+            "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_HeuristicResult),
+                                               ctypes.POINTER(ctypes.c_int)],
+            "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_HeuristicResult), p, sz, p],
+        }
+        for name, args in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            setattr(self, name, fn)
+        self._status_string = getattr(lib, "cublasLtGetStatusString", None)
+        if self._status_string is not None:
+            self._status_string.argtypes, self._status_string.restype = [ctypes.c_int], ctypes.c_char_p
+        self.path = path
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            name = self._status_string(status).decode() if self._status_string is not None else ""
+            raise RuntimeError(f"cuBLASLt {what} failed: status {status} {name} (library {self.path})")
+
+
+def _find_library() -> str:
+    """The cuBLASLt torch uses: the one mapped into this process (torch loads it with cuBLAS), else the
+    loader's."""
+    torch.cuda.current_blas_handle()  # makes torch load cuBLAS (and with it cuBLASLt) on the current device
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and "libcublasLt.so" in parts[-1]:
+                    return parts[-1]
+    except OSError:
+        pass
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", ctypes.util.find_library("cublasLt")):
+        if name:
+            try:
+                ctypes.CDLL(name)
+                return name
+            except OSError:
+                continue
+    raise RuntimeError("cuBLASLt (libcublasLt.so) was not found in this process or by the dynamic loader; the "
+                       "NVFP4 'cublas' GEMM engine needs the cuBLAS that torch's CUDA build ships")
+
+
+class _State:
+    """The library, and per device its handle and constants; per stream a workspace; per problem a plan."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lib: _Lib | None = None
+        self.handles: dict[int, ctypes.c_void_p] = {}
+        self.zeros: dict[int, torch.Tensor] = {}
+        self.ones: dict[int, torch.Tensor] = {}
+        self.workspaces: dict[tuple[int, int], torch.Tensor] = {}
+        self.plans: dict[tuple, tuple] = {}
+
+
+_STATE = _State()
+
+
+def _handle(dev: int) -> ctypes.c_void_p:
+    st = _STATE
+    if st.lib is None:
+        st.lib = _Lib(_find_library())
+    if dev not in st.handles:
+        h = ctypes.c_void_p()
+        with torch.cuda.device(dev):
+            st.lib.check(st.lib.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+        st.handles[dev] = h
+    return st.handles[dev]
+
+
+def _constants(dev: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(0.0, 1.0) as fp32 device scalars: beta, and alpha when none is given. Made once per device, outside
+    a CUDA-graph capture; under a capture before any eager call, made for this call only (their fill is part
+    of the graph, and memory filled only when a graph replays is not kept for eager calls)."""
+    st = _STATE
+    if dev in st.zeros:
+        return st.zeros[dev], st.ones[dev]
+    consts = (torch.zeros(1, dtype=torch.float32, device=f"cuda:{dev}"),
+              torch.ones(1, dtype=torch.float32, device=f"cuda:{dev}"))
+    if not torch.cuda.is_current_stream_capturing():
+        st.zeros[dev], st.ones[dev] = consts
+    return consts
+
+
+def _alignment(t: torch.Tensor) -> int:
+    """The largest power of two (<= 256) that divides t's address."""
+    addr = t.data_ptr()
+    return min(256, addr & -addr) if addr else 256
+
+
+def _plan(dev: int, M: int, N: int, K: int, lda: int, ldb: int, ab_dtype, d_dtype, aligns: tuple) -> tuple:
+    """(desc, layout of cuBLAS's A = our B, of cuBLAS's B = our A, of D, heuristic result), built once."""
+    st = _STATE
+    key = (dev, M, N, K, lda, ldb, ab_dtype, d_dtype, aligns)
+    plan = st.plans.get(key)
+    if plan is not None:
+        return plan
+    lib = st.lib
+    handle = _handle(dev)
+    desc = ctypes.c_void_p()
+    lib.check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
+    for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+        v = ctypes.c_int32(value)
+        lib.check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), ctypes.sizeof(v)),
+                  f"cublasLtMatmulDescSetAttribute({attr})")
+    layouts = []
+    # column-major: cuBLAS A = our B stored K x N (ld ldb), cuBLAS B = our A stored K x M (ld lda), D N x M
+    for dtype, rows, cols, ld in ((ab_dtype, K, N, ldb), (ab_dtype, K, M, lda), (d_dtype, N, M, N)):
+        lay = ctypes.c_void_p()
+        lib.check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), _DTYPE_CODE[dtype], rows, cols, ld),
+                  "cublasLtMatrixLayoutCreate")
+        layouts.append(lay)
+    pref = ctypes.c_void_p()
+    lib.check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    try:
+        settings = [(_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(_WORKSPACE_BYTES)),
+                    (_PREF_REDUCTION_SCHEME_MASK, ctypes.c_uint32(_REDUCTION_SCHEME_COMPUTE_TYPE))]
+        # cuBLAS's A is our B, its B our A; C is D
+        for name, align in zip(("B", "A", "D"), aligns):
+            settings.append((_PREF_MIN_ALIGNMENT[name], ctypes.c_uint32(align)))
+        settings.append((_PREF_MIN_ALIGNMENT["C"], ctypes.c_uint32(aligns[2])))
+        for attr, v in settings:
+            lib.check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(v), ctypes.sizeof(v)),
+                      f"cublasLtMatmulPreferenceSetAttribute({attr})")
+        result = _HeuristicResult()
+        count = ctypes.c_int(0)
+        lib.check(lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, layouts[0], layouts[1], layouts[2], layouts[2],
+                                                     pref, 1, ctypes.byref(result), ctypes.byref(count)),
+                  "cublasLtMatmulAlgoGetHeuristic")
+    finally:
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+    if count.value < 1 or result.state != 0:
+        raise RuntimeError(f"cuBLASLt has no algorithm for D[{M}, {N}] = A[{M}, {K}] . B[{N}, {K}]^T with "
+                           f"{ab_dtype} operands, {d_dtype} output and alpha on the device")
+    plan = (desc, layouts[0], layouts[1], layouts[2], result)
+    st.plans[key] = plan
+    return plan
+
+
+def _workspace(dev: int, stream: int) -> torch.Tensor:
+    """The workspace of cuBLASLt's calls on ``stream`` (scratch: never read before written, so one made under a
+    CUDA-graph capture, from the graph's memory, serves that stream's later captures too)."""
+    ws = _STATE.workspaces.get((dev, stream))
+    if ws is None:
+        ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{dev}")
+        _STATE.workspaces[(dev, stream)] = ws
+    return ws
+
+
+def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``D[M, N] = round_to_out_dtype(fl32(alpha * sum_k a[m, k] * b[n, k]))`` on the GPU by one cuBLASLt call:
+    A [M, K], B [N, K] CUDA tensors of one 16-bit dtype with unit stride along K; ``alpha`` a 1-element fp32
+    tensor on their device, read by the GEMM's epilogue (None: 1); ``out_dtype`` per ``supported_dtypes``.
+    ``out``: a contiguous [M, N] tensor of ``out_dtype`` to write (its contents are not read); else one is
+    allocated. No host synchronization."""
+    if not (a.is_cuda and b.is_cuda and a.device == b.device):
+        raise ValueError(f"matmul_device_alpha runs on one CUDA device, got {a.device} and {b.device}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"matmul_device_alpha: A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype or not supported_dtypes(a.dtype, out_dtype):
+        raise TypeError(f"matmul_device_alpha: operands {a.dtype}, {b.dtype} into {out_dtype} is not one of "
+                        f"{sorted((str(x), str(y)) for x, y in _SUPPORTED)}")
+    if alpha is not None and (alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.device != a.device):
+        raise ValueError(f"matmul_device_alpha: alpha must be a 1-element float32 tensor on {a.device}")
+    M, K = a.shape
+    N = b.shape[0]
+    if a.stride(1) != 1 or a.stride(0) < max(K, 1):
+        a = a.contiguous()
+    if b.stride(1) != 1 or b.stride(0) < max(K, 1):
+        b = b.contiguous()
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != a.device:
+        raise ValueError(f"matmul_device_alpha: out must be a contiguous [{M}, {N}] {out_dtype} tensor on {a.device}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        # an empty sum: fl(alpha * 0) (NaN for a NaN alpha), without a cuBLAS call
+        return out.copy_((alpha if alpha is not None else torch.ones(1, device=a.device)) * 0.0)
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    with _STATE.lock:
+        handle = _handle(dev)
+        plan = _plan(dev, M, N, K, a.stride(0), b.stride(0), a.dtype, out_dtype,
+                     (_alignment(b), _alignment(a), _alignment(out)))
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        ws = _workspace(dev, stream)
+        zero, one = _constants(dev)
+    lib = _STATE.lib
+    if torch.cuda.current_device() != dev:
+        with torch.cuda.device(dev):
+            return _matmul(lib, handle, plan, alpha if alpha is not None else one, a, b, zero, out, ws, stream)
+    return _matmul(lib, handle, plan, alpha if alpha is not None else one, a, b, zero, out, ws, stream)
+
+
+def _matmul(lib, handle, plan, alpha, a, b, zero, out, ws, stream) -> torch.Tensor:
+    desc, lay_b, lay_a, lay_d, result = plan
+    lib.check(lib.cublasLtMatmul(handle, desc, alpha.data_ptr(), b.data_ptr(), lay_b, a.data_ptr(), lay_a,
+                                 zero.data_ptr(), out.data_ptr(), lay_d, out.data_ptr(), lay_d, ctypes.byref(result),
+                                 ws.data_ptr(), _WORKSPACE_BYTES, stream), "cublasLtMatmul")
+    return out
