@@ -1,0 +1,136 @@
+"""The FP4 GEMM's dequantize launch on the `1.2b` and 12B GEMM operand pairs: every launch configuration of a
+sweep, checked bit for bit, timed.
+
+The "cublas" GEMM engine dequantizes both NVFP4 operands of each GEMM in one launch (``kernels/fp4_gemm.py``,
+``_dequant_pair``: ``q * block_scale`` into bf16, exact) before the cuBLASLt GEMM. For the operand pairs of the three
+GEMMs of a linear layer (Fprop: x [M, K] and W [N, K]; Dgrad: dy [M, N] and W^T [K, N]; Wgrad: dy^T [N, M] and
+x^T [K, M]; M = 8192 tokens) it runs the launch under each configuration of the sweep (row tile, K tile, warps).
+Every configuration's two outputs must equal the reference's (``_blockwise_values`` of
+``kernels/nvfp4/reference.py``, rounded to bf16: exact) bit for bit before it is timed; one that differs or fails to
+compile is reported and the script exits 1. Time: ``triton.testing.do_bench`` median; GB/s counts the bytes the
+launch must move (codes and scales read once, bf16 written once) as a fraction of the measured device-to-device copy
+bandwidth. Each sweep starts with the library's default launch ("default"), which the other rows are compared with.
+
+Usage (repo root)::
+
+    python3 scripts/bench_fp4_dequant.py --json dequant.json          # GPU
+    TRITON_INTERPRET=1 python3 scripts/bench_fp4_dequant.py --quick   # CPU smoke test: tiny shapes, two configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from nvfp4_train.bench.fp8_casts import _time_ms, copy_bandwidth
+
+M_TOKENS = 8192
+# (name, rows of A, rows of B, K): the operand pairs of the GEMMs of a linear layer, `1.2b` (hidden 2048, MLP 6144)
+# and the 12B (hidden 5120, MLP 20480)
+CASES = (
+    ("1.2b fc1 Fprop", M_TOKENS, 6144, 2048),
+    ("1.2b fc1 Dgrad", M_TOKENS, 2048, 6144),
+    ("1.2b fc1 Wgrad", 6144, 2048, M_TOKENS),
+    ("1.2b qkv Fprop", M_TOKENS, 4096, 2048),
+    ("12B fc1 Fprop", M_TOKENS, 20480, 5120),
+    ("12B fc2 Wgrad", 5120, 20480, M_TOKENS),
+)
+QUICK_CASES = (("pair", 64, 48, 256), ("odd rows", 37, 20, 128))
+# (block_m, block_k, num_warps) tried besides the library's default launch
+SWEEP = ((32, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (16, 512, 4), (128, 256, 8),
+         (64, 512, 8))
+Config = tuple[int, int, int] | None  # None: the library's default launch
+
+
+def _operand(rows: int, k: int, g: torch.Generator, device: torch.device):
+    """Random codes (every byte) and finite E4M3 scales (every byte but the two NaNs) as an NVFP4Tensor."""
+    from nvfp4_train.kernels.nvfp4.reference import NVFP4Tensor
+
+    codes = torch.randint(0, 256, (rows, k // 2), generator=g, device=device, dtype=torch.int32).to(torch.uint8)
+    s = torch.randint(0, 254, (rows, k // 16), generator=g, device=device, dtype=torch.int32)
+    s = torch.where(s >= 0x7F, s + 1, s).to(torch.uint8)  # skip 0x7F (and 0xFF: the draw stops at 0xFE)
+    return NVFP4Tensor(codes=codes, scales=s.view(torch.float8_e4m3fn), amax=torch.ones((), device=device))
+
+
+def _launch(a, b, cfg: Config):
+    from nvfp4_train.kernels.fp4_gemm import _dequant_pair
+
+    kw = {} if cfg is None else dict(zip(("block_m", "block_k", "num_warps"), cfg))
+    return _dequant_pair(a.codes, a.scales, b.codes, b.scales, block=16, scale_format="e4m3", dtype=torch.bfloat16,
+                         **kw)
+
+
+def _reference(a, b) -> list[torch.Tensor]:
+    from nvfp4_train.kernels.nvfp4.reference import _blockwise_values
+
+    return [_blockwise_values(q).to(torch.bfloat16) for q in (a, b)]
+
+
+def _same(out, ref: list[torch.Tensor]) -> bool:
+    return len(out) == len(ref) and all(
+        x.shape == y.shape and torch.equal(x.contiguous().view(torch.int16), y.view(torch.int16))
+        for x, y in zip(out, ref))
+
+
+def _bytes(rows_a: int, rows_b: int, k: int) -> int:
+    n = (rows_a + rows_b) * k
+    return n // 2 + n // 16 + 2 * n
+
+
+def run(args) -> tuple[list[dict], bool]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases = QUICK_CASES if args.quick else CASES
+    copy_gbs = copy_bandwidth(device, args.quick)
+    rows_out, ok = [], True
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
+    print("| pair | A | B | BM x BK, warps | us | GB/s | % of copy | vs default |")
+    print("|---|---|---|---|---:|---:|---:|---:|")
+    for name, ra, rb, k in cases:
+        a, b = _operand(ra, k, g, device), _operand(rb, k, g, device)
+        ref = _reference(a, b)
+        base_us = None
+        for cfg in [None, *(SWEEP[:1] if args.quick else SWEEP)]:
+            label = "default" if cfg is None else f"{cfg[0]}x{cfg[1]}, {cfg[2]}"
+            row = {"pair": name, "a": [ra, k], "b": [rb, k], "launch": label}
+            try:
+                same = _same(_launch(a, b, cfg), ref)
+                us = _time_ms(lambda: _launch(a, b, cfg), device) * 1e3 if same else None
+            except Exception as e:  # noqa: BLE001 - a configuration that fails to compile (resources) is reported
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                same = cfg is not None  # only the default launch must run
+            else:
+                if not same:
+                    row["error"] = "outputs differ from the reference"
+            if "error" in row:
+                ok = ok and same
+                print(f"| {name} | {ra}x{k} | {rb}x{k} | {label} | {row['error']} | | | |")
+                rows_out.append(row)
+                continue
+            gbs = _bytes(ra, rb, k) / (us * 1e-6) / 1e9
+            base_us = base_us if base_us is not None else us
+            row.update(us=us, gbs=gbs, copy_fraction=gbs / copy_gbs, vs_default=us / base_us)
+            rows_out.append(row)
+            print(f"| {name} | {ra}x{k} | {rb}x{k} | {label} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
+                  f"{us / base_us:.2f} |", flush=True)
+    return rows_out, ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, two configurations each (CPU smoke test)")
+    ap.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rows, ok = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
