@@ -418,9 +418,17 @@ def _dequant_dtypes(dtype: torch.dtype, scale_format: str) -> tuple[str, str]:
     return dot, kdot
 
 
+# the dequantize launch: 16 rows x 512 columns a program, 4 warps. Swept on the H200 against 8 other tiles on the
+# `1.2b` and 12B operand pairs (scripts/bench_fp4_dequant.py, docs/benchmarks.md): 0.79-0.98x the time of the 64 x 128
+# tile it replaced on every pair, 83-84% of copy bandwidth on the 12B ones. A pure performance choice: every output
+# element depends on its own code and scale only.
+DEQUANT_BLOCK_M, DEQUANT_BLOCK_K, DEQUANT_WARPS = 16, 512, 4
+
+
 def dequantize_fp4_blockwise_pair_triton(
     a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor, *,
-    block: int, scale_format: str, dtype: torch.dtype, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
+    block: int, scale_format: str, dtype: torch.dtype, block_m: int = DEQUANT_BLOCK_M, block_k: int = DEQUANT_BLOCK_K,
+    num_warps: int = DEQUANT_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both operands of one GEMM, ``q * block_scale`` as [M, K] and [N, K] tensors of ``dtype``, in ONE launch
     of ``_dequant_pair_kernel`` (the row tiles of A, then those of B). Both live in one [M + N, K]
@@ -436,8 +444,8 @@ def dequantize_fp4_blockwise_pair_triton(
                          dtype=dtype, block_m=block_m, block_k=block_k, num_warps=num_warps)
 
 
-def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, dtype, block_m=64, block_k=128,
-                  num_warps=4, amax=None):
+def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, dtype, block_m=DEQUANT_BLOCK_M,
+                  block_k=DEQUANT_BLOCK_K, num_warps=DEQUANT_WARPS, amax=None):
     """``dequantize_fp4_blockwise_pair_triton`` without its shape and device checks (for callers that made
     them: ``predequant_fp4_gemm``). ``amax=(amax_a, amax_b)`` (two 1-element fp32 tensors on the codes' device):
     the launch also forms ``nvfp4_alpha`` from them, returned third as a 1-element fp32 device tensor."""

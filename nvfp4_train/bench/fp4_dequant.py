@@ -40,8 +40,8 @@ CASES = (
     ("12B fc2 Wgrad", 5120, 20480, M_TOKENS),
 )
 QUICK_CASES = (("pair", 64, 48, 256), ("odd rows", 37, 20, 128))
-# (block_m, block_k, num_warps) tried besides the library's default launch
-SWEEP = ((32, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (16, 512, 4), (128, 256, 8),
+# (block_m, block_k, num_warps) tried besides the library's default launch (16 x 512, 4 warps; 64 x 128, 4 warps before)
+SWEEP = ((64, 128, 4), (32, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (128, 256, 8),
          (64, 512, 8))
 Config = tuple[int, int, int] | None  # None: the library's default launch
 
