@@ -35,8 +35,8 @@ The two Hopper engines of the 16-bit GEMM (``engine=``, from the run's ``precisi
     twice, one product: torch's bits) for it. fp16 operands into bf16 output (no such cuBLASLt pair) go through
     its fp32 output and the rounding pass below. Under ``TRITON_INTERPRET=1`` (CPU tensors) the accumulator
     is ``a.float() @ b.float().t()`` (the same exact products, another order), then ONE Triton elementwise pass
-    ``_alpha_scale_kernel`` that forms alpha from the amaxes and computes ``fl(acc * alpha)`` rounded to bf16
-    by ``_bf16_rne`` (fp32 output: in place).
+    ``_alpha_scale_kernel`` that computes ``fl(acc * alpha)`` rounded to bf16 by ``_bf16_rne`` (fp32 output:
+    in place), with the alpha of the same dequantize launch.
   * "triton": ``_gemm16_kernel``, a pipelined 16-bit Triton GEMM (fp16 operands) with the same epilogue
     arithmetic in registers, alpha loaded from its device pointer. Also the MXFP4 GEMM's kernel.
 Measured in one run on the H200 (docs/benchmarks.md): the cuBLAS engine against the design it replaced
@@ -718,18 +718,17 @@ def predequant_fp4_gemm(
         _check_dot_dtype(dot_dtype)
     if engine == "cublas":
         # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
-        # the amax pair are checked here, once. On CUDA the dequantize launch also forms alpha from the amax
-        # pair (cuBLASLt reads it from there); the interpreter's alpha pass forms it itself.
+        # the amax pair are checked here, once
         dev = a_codes.device
         alpha = _check_out_and_alpha(out_dtype, alpha, dev)
         amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, dev)
-        if amax is not None and dev.type == "cuda":
+        if amax is not None:  # the dequantize launch forms alpha from the amax pair for the GEMM's epilogue
             da, db, alpha = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block,
                                           scale_format=scale_format, dtype=_DOT_TORCH[dot_dtype], amax=amax)
-            return _gemm_alpha_cublas(da, db, alpha, out_dtype, None)
-        da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
-                               dtype=_DOT_TORCH[dot_dtype])
-        return _gemm_alpha_cublas(da, db, alpha, out_dtype, amax)
+        else:
+            da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
+                                   dtype=_DOT_TORCH[dot_dtype])
+        return _gemm_alpha_cublas(da, db, alpha, out_dtype, None)
     # both operands in one dequantize launch (shapes and devices checked above: _check_operands)
     da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
                            dtype=_DOT_TORCH[dot_dtype])

@@ -16,8 +16,9 @@ It prints, per recipe and layer variant:
 * the aten operators issued, by kind (``TorchDispatchMode`` below autograd, as ``scripts/launch_inventory.py``),
   split into those that launch a GPU kernel (``nvfp4_train.bench.aten_ops``), those that launch none, and the
   interpreter-only ones, which the CUDA path does not issue (excluded from the two counts):
-    - ``_to_copy`` x2 per "cublas" GEMM: ``a.float() @ b.float().t()`` stands in for ``torch.mm(...,
-      out_dtype=float32)``, which does not exist on CPU;
+    - ``_to_copy`` x2 per "cublas" GEMM: ``a.float() @ b.float().t()`` (its ``mm`` counted as the one cuBLASLt
+      launch of the CUDA path) and the Triton alpha pass after it stand in for the cuBLASLt GEMM, which applies
+      alpha in its epilogue;
     - ``empty`` + ``copy_`` per dequantize launch: the fp32 staging buffer of a bf16 dequantize (the interpreter
       multiplies raw bf16 bits), and the ``split_with_sizes`` of the result after the copy;
     - ``detach`` after each ``view(dtype)``: the dispatch mode's own (``torch.profiler`` records one
@@ -67,19 +68,23 @@ _CUBLAS_FNS = {"gemm_alpha_cublas", "_gemm_alpha_cublas"}
 
 
 class _Launches:
-    """Replaces the interpreter's launch with a stub that records the kernel (a context manager)."""
+    """Replaces the interpreter's launch with a stub that records the kernel (a context manager). The alpha pass
+    launched by the "cublas" engine's GEMM is interpreter-only: on CUDA cuBLASLt applies alpha in the GEMM."""
 
     def __init__(self):
         self.counts: collections.Counter = collections.Counter()
+        self.interpreter_only: collections.Counter = collections.Counter()
         self._run = None
 
     def __enter__(self):
         self._run = interpreter.InterpretedFunction.run
-        counts = self.counts
+        counts, interp = self.counts, self.interpreter_only
 
         def stub(fn, *args, grid, warmup, **kwargs):
             if not warmup:
-                counts[fn.fn.__name__] += 1
+                name = fn.fn.__name__
+                cpu_only = name == "_alpha_scale_kernel" and any(f.name in _CUBLAS_FNS for f in traceback.extract_stack())
+                (interp if cpu_only else counts)[name] += 1
 
         interpreter.InterpretedFunction.run = stub
         return self
@@ -193,10 +198,12 @@ def measure(recipe_name: str, layer: str, m: int, k: int, n: int, iters: int, wa
             step()
             reset()
         launches.counts.clear()
+        launches.interpreter_only.clear()
         with _Ops() as rec:
             step()
         reset()
         per_step = dict(launches.counts)
+        triton_interp = {f"triton {k}": v for k, v in launches.interpreter_only.items()}
         times = []
         gc_was = gc.isenabled()
         gc.disable()
@@ -218,7 +225,7 @@ def measure(recipe_name: str, layer: str, m: int, k: int, n: int, iters: int, wa
         host_us=statistics.median(times) * 1e6, host_us_p10=sorted(times)[len(times) // 10] * 1e6,
         aten_ops=sum(kernel.values()) + sum(no_kernel.values()),
         torch_kernels=dict(kernel.most_common()), no_kernel=dict(no_kernel.most_common()),
-        interpreter_only=dict(interp.most_common()), triton=per_step,
+        interpreter_only={**dict(interp.most_common()), **triton_interp}, triton=per_step,
         launches=sum(per_step.values()) + sum(kernel.values()),
     )
     if by_line:

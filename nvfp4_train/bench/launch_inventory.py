@@ -9,9 +9,9 @@ also time that host path)
 
 The weight is quantized in a first call and cached, as in training with the weight cache on (one quantization per
 optimizer step), so the counts are those of every further micro-batch. Under the interpreter a few torch operators
-stand in for GPU-only ones (the "cublas" GEMM engine's ``a.float() @ b.float().t()`` instead of ``torch.mm(...,
-out_dtype=float32)``; an fp32 staging copy when dequantizing to bf16; see ``bench_host``'s docstring): they are
-marked "interpreter only". Host
+stand in for GPU-only ones (the "cublas" GEMM engine's ``a.float() @ b.float().t()`` and Triton alpha pass instead
+of one cuBLASLt GEMM with alpha in its epilogue; an fp32 staging copy when dequantizing to bf16; see
+``bench_host``'s docstring): they are marked "interpreter only". Host
 cost on the GPU grows with every launch (docs/benchmarks.md, "One linear layer"); this is the count to keep small.
 Only ``nvfp4`` (and its ablations) and ``bf16`` take the same path here as on CUDA: FP8's GEMM is an emulation on
 CPU (``torch._scaled_mm`` is CUDA-only) and MXFP4's GEMM runs on fp32 operands under the interpreter (bf16 on the
