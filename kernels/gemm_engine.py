@@ -9,9 +9,9 @@ engine's module are imported where they are used.
     "native"  sm_100+: the FP4 tensor-core GEMM (``kernels/nvfp4/native.py``, ``kernels/mxfp4/native.py``)
     "auto"    "native" where the device supports it, else ``DEFAULT_GEMM_ENGINE``
 
-"cublas" is the Hopper default: measured in one run on the H200 (docs/benchmarks.md) at 0.91-0.98x cuBLAS BF16
-on the six 12B GEMM shapes with the dequantize pass included, against 0.81-0.84x for "triton"; the NVFP4 layer
-(fwd + bwd) at 1.31x BF16 against 1.45x. "triton" keeps the whole GEMM in Triton (no cuBLAS call); it is the
+"cublas" is the Hopper default: measured in one run on the H200 (docs/benchmarks.md) at 1.01-1.06x cuBLAS BF16
+(``torch.matmul``) on the six 12B GEMM shapes with the dequantize launch included, against 0.81-0.86x for
+"triton". "triton" keeps the whole GEMM in Triton (no cuBLAS call); it is the
 kernel the MXFP4 GEMM runs on Hopper whatever the engine. All engines are exact up to the fp32 summation order;
 on the reference path (CPU without ``TRITON_INTERPRET=1``) the engine does not change the result.
 """
