@@ -10,6 +10,7 @@ Every configuration's two outputs must equal the reference's (``_blockwise_value
 compile is reported and the script exits 1. Time: ``triton.testing.do_bench`` median; GB/s counts the bytes the
 launch must move (codes and scales read once, bf16 written once) as a fraction of the measured device-to-device copy
 bandwidth. Each sweep starts with the library's default launch ("default"), which the other rows are compared with.
+The harness (the check, the timing, the table) is ``nvfp4_train.bench.sweep``.
 
 Usage (repo root)::
 
@@ -19,14 +20,11 @@ Usage (repo root)::
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from nvfp4_train.bench.fp8_casts import _time_ms, copy_bandwidth
+from nvfp4_train.bench.sweep import Case, Config, run_sweep, sweep_main
 
 M_TOKENS = 8192
 # (name, rows of A, rows of B, K): the operand pairs of the GEMMs of a linear layer, `1.2b` (hidden 2048, MLP 6144)
@@ -43,7 +41,6 @@ QUICK_CASES = (("pair", 64, 48, 256), ("odd rows", 37, 20, 128))
 # (block_m, block_k, num_warps) tried besides the library's default launch (16 x 512, 4 warps; 64 x 128, 4 warps before)
 SWEEP = ((64, 128, 4), (32, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 8), (32, 256, 4), (128, 256, 8),
          (64, 512, 8))
-Config = tuple[int, int, int] | None  # None: the library's default launch
 
 
 def _operand(rows: int, k: int, g: torch.Generator, device: torch.device):
@@ -83,53 +80,20 @@ def _bytes(rows_a: int, rows_b: int, k: int) -> int:
 
 def run(args) -> tuple[list[dict], bool]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cases = QUICK_CASES if args.quick else CASES
-    copy_gbs = copy_bandwidth(device, args.quick)
-    rows_out, ok = [], True
     g = torch.Generator(device=device).manual_seed(args.seed)
-    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
-    print("| pair | A | B | BM x BK, warps | us | GB/s | % of copy | vs default |")
-    print("|---|---|---|---|---:|---:|---:|---:|")
-    for name, ra, rb, k in cases:
-        a, b = _operand(ra, k, g, device), _operand(rb, k, g, device)
-        ref = _reference(a, b)
-        base_us = None
-        for cfg in [None, *(SWEEP[:1] if args.quick else SWEEP)]:
-            label = "default" if cfg is None else f"{cfg[0]}x{cfg[1]}, {cfg[2]}"
-            row = {"pair": name, "a": [ra, k], "b": [rb, k], "launch": label}
-            try:
-                same = _same(_launch(a, b, cfg), ref)
-                us = _time_ms(lambda: _launch(a, b, cfg), device) * 1e3 if same else None
-            except Exception as e:  # noqa: BLE001 - a configuration that fails to compile (resources) is reported
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                same = cfg is not None  # only the default launch must run
-            else:
-                if not same:
-                    row["error"] = "outputs differ from the reference"
-            if "error" in row:
-                ok = ok and same
-                print(f"| {name} | {ra}x{k} | {rb}x{k} | {label} | {row['error']} | | | |")
-                rows_out.append(row)
-                continue
-            gbs = _bytes(ra, rb, k) / (us * 1e-6) / 1e9
-            base_us = base_us if base_us is not None else us
-            row.update(us=us, gbs=gbs, copy_fraction=gbs / copy_gbs, vs_default=us / base_us)
-            rows_out.append(row)
-            print(f"| {name} | {ra}x{k} | {rb}x{k} | {label} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
-                  f"{us / base_us:.2f} |", flush=True)
-    return rows_out, ok
+
+    def case(name, ra, rb, k):
+        return Case(fields={"pair": name, "a": [ra, k], "b": [rb, k]}, cells=(name, f"{ra}x{k}", f"{rb}x{k}"),
+                    make=lambda: (_operand(ra, k, g, device), _operand(rb, k, g, device)),
+                    reference=lambda ab: _reference(*ab), configs=SWEEP[:1] if args.quick else SWEEP,
+                    nbytes=_bytes(ra, rb, k))
+
+    return run_sweep([case(*c) for c in (QUICK_CASES if args.quick else CASES)],
+                     lambda ab, cfg: _launch(ab[0], ab[1], cfg), _same, ("pair", "A", "B"), device, args.quick)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes, two configurations each (CPU smoke test)")
-    ap.add_argument("--json", type=Path, help="also write the rows to this JSON file")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    rows, ok = run(args)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    return 0 if ok else 1
+    return sweep_main(argv, __doc__.split("\n")[0], run)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ compile is reported and the script exits 1. Time: ``triton.testing.do_bench`` me
 cast must move (the bf16 input read once, every copy written once) and is given as a fraction of the measured
 device-to-device copy bandwidth (bytes read + written). Each sweep starts with the library's default launch
 ("default": the call without launch arguments), which the other rows are compared with.
+The harness (the check, the timing, the table) is ``nvfp4_train.bench.sweep``.
 
 Usage (repo root)::
 
@@ -18,12 +19,11 @@ Usage (repo root)::
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
+
+from nvfp4_train.bench.sweep import Case, Config, run_sweep, sweep_main
 
 M_TOKENS = 8192
 # (name, rows, cols, mode): mode "rowcol" = 1x128 rowwise + columnwise copies, "row" = 1x128 rowwise only,
@@ -47,7 +47,6 @@ SWEEPS = {
     "tile": ((128, 128, 4), (128, 128, 16)),
     "tensor": ((64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4)),
 }
-Config = tuple[int, int, int] | None  # None: the library's default launch
 
 
 def _launch(x: torch.Tensor, mode: str, cfg: Config):
@@ -92,75 +91,25 @@ def _bytes(rows: int, cols: int, mode: str) -> int:
     return 2 * n + copies * n + 4 * scales
 
 
-def _time_ms(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    import time
-
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def copy_bandwidth(device: torch.device, quick: bool) -> float:
-    src = torch.empty((2**20 if quick else 2**29), dtype=torch.bfloat16, device=device).uniform_()
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), device)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
-
-
 def run(args) -> tuple[list[dict], bool]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cases = QUICK_CASES if args.quick else CASES
-    copy_gbs = copy_bandwidth(device, args.quick)
-    rows_out, ok = [], True
     g = torch.Generator(device=device).manual_seed(args.seed)
-    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
-    print("| tensor | shape | mode | BM x BK, warps | us | GB/s | % of copy | vs default |")
-    print("|---|---|---|---|---:|---:|---:|---:|")
-    for name, rows, cols, mode in cases:
-        x = (torch.randn(rows, cols, device=device, generator=g) * 3).bfloat16()
-        ref = _reference(x, mode)
-        configs: list[Config] = [None, *(SWEEPS[mode][:1] if args.quick else SWEEPS[mode])]
-        base_us = None
-        for cfg in configs:
-            label = "default" if cfg is None else f"{cfg[0]}x{cfg[1]}, {cfg[2]}"
-            row = {"tensor": name, "rows": rows, "cols": cols, "mode": mode, "launch": label}
-            try:
-                same = _same(_launch(x, mode, cfg), ref)
-                us = _time_ms(lambda: _launch(x, mode, cfg), device) * 1e3 if same else None
-            except Exception as e:  # noqa: BLE001 - a configuration that fails to compile (resources) is reported
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                same = cfg is not None  # only the default launch must run
-            else:
-                if not same:
-                    row["error"] = "outputs differ from the reference"
-            if "error" in row:
-                ok = ok and same
-                print(f"| {name} | {rows}x{cols} | {mode} | {label} | {row['error']} | | | |")
-                rows_out.append(row)
-                continue
-            gbs = _bytes(rows, cols, mode) / (us * 1e-6) / 1e9
-            base_us = base_us if base_us is not None else us
-            row.update(us=us, gbs=gbs, copy_fraction=gbs / copy_gbs, vs_default=us / base_us)
-            rows_out.append(row)
-            print(f"| {name} | {rows}x{cols} | {mode} | {label} | {us:.1f} | {gbs:.0f} | "
-                  f"{100 * gbs / copy_gbs:.0f}% | {us / base_us:.2f} |", flush=True)
-    return rows_out, ok
+
+    def case(name, rows, cols, mode):
+        def make():  # (x, mode): what a launch and the reference take
+            return (torch.randn(rows, cols, device=device, generator=g) * 3).bfloat16(), mode
+
+        return Case(fields={"tensor": name, "rows": rows, "cols": cols, "mode": mode},
+                    cells=(name, f"{rows}x{cols}", mode), make=make, reference=lambda xm: _reference(*xm),
+                    configs=SWEEPS[mode][:1] if args.quick else SWEEPS[mode], nbytes=_bytes(rows, cols, mode))
+
+    return run_sweep([case(*c) for c in (QUICK_CASES if args.quick else CASES)],
+                     lambda xm, cfg: _launch(xm[0], xm[1], cfg), _same, ("tensor", "shape", "mode"), device,
+                     args.quick)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes, two configurations each (CPU smoke test)")
-    ap.add_argument("--json", type=Path, help="also write the rows to this JSON file")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    rows, ok = run(args)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    return 0 if ok else 1
+    return sweep_main(argv, __doc__.split("\n")[0], run)
 
 
 if __name__ == "__main__":
