@@ -39,9 +39,10 @@ The two Hopper engines of the 16-bit GEMM (``engine=``, from the run's ``precisi
     in place), with the alpha of the same dequantize launch.
   * "triton": ``_gemm16_kernel``, a pipelined 16-bit Triton GEMM (fp16 operands) with the same epilogue
     arithmetic in registers, alpha loaded from its device pointer. Also the MXFP4 GEMM's kernel.
-Measured in one run on the H200 (docs/benchmarks.md): the cuBLAS engine against the design it replaced
-(cuBLAS with fp32 output, then the alpha pass), and "triton" at 0.81-0.84x cuBLAS BF16. Both engines are exact
-up to the fp32 summation order.
+Measured in one run on the H200 (docs/benchmarks.md): "cublas" 1.01-1.06x cuBLAS BF16 (``torch.matmul``) on the
+six 12B GEMM shapes with the dequantize launch included, its GEMM 1.04-1.13x faster than the design it replaced
+(cuBLAS with fp32 output, then the alpha pass); "triton" 0.81-0.86x. Both engines are exact up to the fp32
+summation order.
 
 Split-K: the cuBLASLt GEMM allows only split-K schemes that reduce the partial sums in fp32 (its compute type,
 ``CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE``), whatever torch's ``allow_bf16_reduced_precision_reduction`` /
