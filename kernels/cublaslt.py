@@ -25,6 +25,7 @@ heuristic picks are built once and kept; per (device, stream) one 32 MiB workspa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import threading
@@ -171,7 +172,8 @@ def _alignment(t: torch.Tensor) -> int:
     return min(256, addr & -addr) if addr else 256
 
 
-def _plan(dev: int, M: int, N: int, K: int, lda: int, ldb: int, ab_dtype, d_dtype, aligns: tuple) -> tuple:
+def _plan(handle: ctypes.c_void_p, dev: int, M: int, N: int, K: int, lda: int, ldb: int, ab_dtype, d_dtype,
+          aligns: tuple) -> tuple:
     """(desc, layout of cuBLAS's A = our B, of cuBLAS's B = our A, of D, heuristic result), built once."""
     st = _STATE
     key = (dev, M, N, K, lda, ldb, ab_dtype, d_dtype, aligns)
@@ -179,7 +181,6 @@ def _plan(dev: int, M: int, N: int, K: int, lda: int, ldb: int, ab_dtype, d_dtyp
     if plan is not None:
         return plan
     lib = st.lib
-    handle = _handle(dev)
     desc = ctypes.c_void_p()
     lib.check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
     for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
@@ -264,21 +265,17 @@ def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | 
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     with _STATE.lock:
         handle = _handle(dev)
-        plan = _plan(dev, M, N, K, a.stride(0), b.stride(0), a.dtype, out_dtype,
+        plan = _plan(handle, dev, M, N, K, a.stride(0), b.stride(0), a.dtype, out_dtype,
                      (_alignment(b), _alignment(a), _alignment(out)))
         stream = torch.cuda.current_stream(dev).cuda_stream
         ws = _workspace(dev, stream)
         zero, one = _constants(dev)
-    lib = _STATE.lib
-    if torch.cuda.current_device() != dev:
-        with torch.cuda.device(dev):
-            return _matmul(lib, handle, plan, alpha if alpha is not None else one, a, b, zero, out, ws, stream)
-    return _matmul(lib, handle, plan, alpha if alpha is not None else one, a, b, zero, out, ws, stream)
-
-
-def _matmul(lib, handle, plan, alpha, a, b, zero, out, ws, stream) -> torch.Tensor:
     desc, lay_b, lay_a, lay_d, result = plan
-    lib.check(lib.cublasLtMatmul(handle, desc, alpha.data_ptr(), b.data_ptr(), lay_b, a.data_ptr(), lay_a,
-                                 zero.data_ptr(), out.data_ptr(), lay_d, out.data_ptr(), lay_d, ctypes.byref(result),
-                                 ws.data_ptr(), _WORKSPACE_BYTES, stream), "cublasLtMatmul")
+    lib = _STATE.lib
+    # cuBLASLt launches on the current device: make it the operands' for the call
+    with torch.cuda.device(dev) if torch.cuda.current_device() != dev else contextlib.nullcontext():
+        lib.check(lib.cublasLtMatmul(handle, desc, (alpha if alpha is not None else one).data_ptr(), b.data_ptr(),
+                                     lay_b, a.data_ptr(), lay_a, zero.data_ptr(), out.data_ptr(), lay_d,
+                                     out.data_ptr(), lay_d, ctypes.byref(result), ws.data_ptr(), _WORKSPACE_BYTES,
+                                     stream), "cublasLtMatmul")
     return out

@@ -442,14 +442,15 @@ def dequantize_fp4_blockwise_pair_triton(
     if b_codes.device != a_codes.device:
         raise ValueError(f"both operands must be on one device, got {a_codes.device} and {b_codes.device}")
     return _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
-                         dtype=dtype, block_m=block_m, block_k=block_k, num_warps=num_warps)
+                         dtype=dtype, block_m=block_m, block_k=block_k, num_warps=num_warps)[:2]
 
 
 def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, dtype, block_m=DEQUANT_BLOCK_M,
                   block_k=DEQUANT_BLOCK_K, num_warps=DEQUANT_WARPS, amax=None):
     """``dequantize_fp4_blockwise_pair_triton`` without its shape and device checks (for callers that made
-    them: ``predequant_fp4_gemm``). ``amax=(amax_a, amax_b)`` (two 1-element fp32 tensors on the codes' device):
-    the launch also forms ``nvfp4_alpha`` from them, returned third as a 1-element fp32 device tensor."""
+    them: ``predequant_fp4_gemm``), returning ``(a, b, alpha)``. ``amax=(amax_a, amax_b)`` (two 1-element fp32
+    tensors on the codes' device): the launch also forms ``nvfp4_alpha`` from them, as the 1-element fp32 device
+    tensor ``alpha``; without it ``alpha`` is None."""
     dot, kdot = _dequant_dtypes(dtype, scale_format)
     M, K = a_codes.shape[0], a_codes.shape[1] * 2
     N = b_codes.shape[0]
@@ -459,8 +460,7 @@ def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, 
     if M + N == 0 or K == 0:
         if alpha is not None:
             alpha.copy_(_alpha_of_amax(amax))
-        ta, tb = out[:M], out[M:]
-        return (ta, tb) if alpha is None else (ta, tb, alpha)
+        return out[:M], out[M:], alpha
     a_s = a_scales.view(torch.uint8)
     b_s = b_scales.view(torch.uint8)
     block_k = max(block_k, block)
@@ -480,7 +480,7 @@ def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, 
     if tmp is not out:
         out.copy_(tmp)
         ta, tb = out.split_with_sizes((M, N))
-    return (ta, tb) if alpha is None else (ta, tb, alpha)
+    return ta, tb, alpha
 
 
 def _check_gemm16_args(
@@ -698,7 +698,7 @@ def predequant_fp4_gemm(
     operand dequantized once to the dot dtype (``q * block_scale``, exact), then ``gemm_alpha_triton``
     (``engine="triton"``) or ``gemm_alpha_cublas`` (``engine="cublas"``). ``dot_dtype`` None: "fp16" for
     the Triton engine, "bf16" for cuBLAS. ``amax=(amax_a, amax_b)`` (NVFP4, engine "cublas", with
-    ``alpha=None``): the alpha pass forms ``nvfp4_alpha`` from them."""
+    ``alpha=None``): the dequantize launch forms ``nvfp4_alpha`` from them for the GEMM's epilogue."""
     check_gemm_engine(engine)
     if amax is not None and (engine != "cublas" or alpha is not None):
         raise ValueError(f"{fmt_name} GEMM: amax= is for engine 'cublas' without alpha")
@@ -714,23 +714,17 @@ def predequant_fp4_gemm(
                              f"'fp16', got {dot_dtype!r}")
         if config is not None:
             raise ValueError(f"{fmt_name} GEMM: config is a Triton tile config; engine 'cublas' takes none")
+        # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
+        # the amax pair are checked here, once
+        alpha = _check_out_and_alpha(out_dtype, alpha, a_codes.device)
+        amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, a_codes.device)
     else:
         dot_dtype = dot_dtype or "fp16"
         _check_dot_dtype(dot_dtype)
+    # both operands in one dequantize launch (shapes and devices checked above: _check_operands); given the amax
+    # pair (engine "cublas", no alpha), the same launch forms alpha for the GEMM's epilogue
+    da, db, amax_alpha = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
+                                       dtype=_DOT_TORCH[dot_dtype], amax=amax)
     if engine == "cublas":
-        # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
-        # the amax pair are checked here, once
-        dev = a_codes.device
-        alpha = _check_out_and_alpha(out_dtype, alpha, dev)
-        amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, dev)
-        if amax is not None:  # the dequantize launch forms alpha from the amax pair for the GEMM's epilogue
-            da, db, alpha = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block,
-                                          scale_format=scale_format, dtype=_DOT_TORCH[dot_dtype], amax=amax)
-        else:
-            da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
-                                   dtype=_DOT_TORCH[dot_dtype])
-        return _gemm_alpha_cublas(da, db, alpha, out_dtype, None)
-    # both operands in one dequantize launch (shapes and devices checked above: _check_operands)
-    da, db = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
-                           dtype=_DOT_TORCH[dot_dtype])
+        return _gemm_alpha_cublas(da, db, alpha if amax_alpha is None else amax_alpha, out_dtype, None)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)

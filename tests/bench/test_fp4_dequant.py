@@ -1,11 +1,8 @@
-"""nvfp4_train.bench.fp4_dequant (scripts/bench_fp4_dequant.py): its bit-for-bit check catches one flipped bit, and
-under the interpreter every configuration of the quick sweep runs and matches the reference."""
+"""nvfp4_train.bench.fp4_dequant (scripts/bench_fp4_dequant.py): its bit-for-bit check catches one flipped bit (its quick
+sweep runs in tests/bench/test_sweep.py)."""
 
 from __future__ import annotations
 
-import argparse
-
-import pytest
 import torch
 
 from nvfp4_train.bench import fp4_dequant
@@ -21,10 +18,3 @@ def test_same_catches_one_flipped_bit():
         out[i].view(-1).view(torch.int16)[5] ^= 1
         assert not fp4_dequant._same(out, ref)
 
-
-@pytest.mark.triton
-def test_quick_sweep_runs_every_configuration():
-    rows, ok = fp4_dequant.run(argparse.Namespace(quick=True, seed=0))
-    assert ok
-    assert len(rows) == 2 * len(fp4_dequant.QUICK_CASES)
-    assert all("error" not in r for r in rows)

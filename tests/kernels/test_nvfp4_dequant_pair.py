@@ -173,7 +173,8 @@ def test_pair_forms_alpha_from_amax(triton_device, gen):
     a = on(random_operand(gen, 19, 64), triton_device)
     b = on(random_operand(gen, 32, 64, block_2d=True), triton_device)
     kw = dict(block=16, scale_format="e4m3", dtype=torch.float16)
-    da0, db0 = fp4_gemm._dequant_pair(a.codes, a.scales, b.codes, b.scales, **kw)
+    da0, db0, none = fp4_gemm._dequant_pair(a.codes, a.scales, b.codes, b.scales, **kw)
+    assert none is None
     rnd = (torch.rand(8, generator=gen) * 10.0 ** torch.randint(-30, 31, (8,), generator=gen)).tolist()
     edges = [0.0, 1e-45, 3.4e38, float("inf"), float("nan"), 2688.0]
     for x, y in list(zip(rnd, rnd[::-1])) + [(e, r) for e, r in zip(edges, rnd)] + [(r, e) for e, r in zip(edges, rnd)]:
