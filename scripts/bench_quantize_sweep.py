@@ -7,7 +7,8 @@ L2 before each call). GB/s count the bytes each variant moves: "full" = amax pas
 pass (1 read + the four outputs), "amax given" = the quantize pass alone; both as a share of a device-to-device
 copy measured in the same run (bytes read + written).
 
-Usage: python3 scripts/bench_quantize_sweep.py [--ks 5120 10240 20480] [--quick] [--out sweep.json]
+Usage: python3 scripts/bench_quantize_sweep.py [--ks 5120 10240 20480] [--quick] [--variants LABEL ...] [--modes RNE SR]
+                                                [--out sweep.json]
        --quick         the default configs only
        [--wait FILE]   compile and check everything first, then wait until FILE exists before timing
                        (lets a test run share the compile phase without disturbing the timings)
@@ -37,12 +38,18 @@ VARIANTS = [
     ("64x128 w4 maxnreg 168", dict(block_m=64, block_k=128, num_warps=4, maxnreg=168), dict(), ("RNE", "SR")),
     ("64x128 w4 maxnreg 128", dict(block_m=64, block_k=128, num_warps=4, maxnreg=128), dict(), ("RNE",)),
     ("32x128 w4", dict(block_m=32, block_k=128, num_warps=4), dict(), ("RNE", "SR")),
+    ("32x128 w2", dict(block_m=32, block_k=128, num_warps=2), dict(), ("RNE", "SR")),
+    ("64x64 w4", dict(block_m=64, block_k=64, num_warps=4), dict(), ("RNE", "SR")),
+    ("64x64 w2", dict(block_m=64, block_k=64, num_warps=2), dict(), ("RNE", "SR")),
 ]
 QUICK = {"64x128 w4 (default)"}
 AMAX_VARIANTS = [
     ("32x256 w4 3/SM (default)", dict(block_m=32, block_k=256, num_warps=4, per_sm=3)),
     ("64x128 w4 4/SM", dict(block_m=64, block_k=128, num_warps=4, per_sm=4)),
     ("32x256 w4 2/SM", dict(block_m=32, block_k=256, num_warps=4, per_sm=2)),
+    ("32x256 w4 6/SM", dict(block_m=32, block_k=256, num_warps=4, per_sm=6)),
+    ("32x256 w4 8/SM", dict(block_m=32, block_k=256, num_warps=4, per_sm=8)),
+    ("64x256 w8 3/SM", dict(block_m=64, block_k=256, num_warps=8, per_sm=3)),
 ]
 MODES = [
     ("RNE", dict(), dict()),
@@ -83,11 +90,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ks", type=int, nargs="*", default=[5120, 10240, 20480])
     ap.add_argument("--quick", action="store_true", help="only the variants in QUICK")
+    ap.add_argument("--variants", nargs="*", help="only the quantize and amax variants with these labels")
+    ap.add_argument("--modes", nargs="*", choices=[m[0] for m in MODES], help="only these rounding modes")
     ap.add_argument("--wait", type=Path)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     keep = QUICK if args.quick else None
+    if args.variants is not None:
+        keep = set(args.variants) | (keep or set())
+        unknown = keep - {v[0] for v in VARIANTS} - {v[0] for v in AMAX_VARIANTS}
+        if unknown:
+            ap.error(f"--variants: no variant labelled {', '.join(sorted(unknown))}")
     variants = [v for v in VARIANTS if keep is None or v[0] in keep]
+    modes = [m for m in MODES if args.modes is None or m[0] in args.modes]
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -99,7 +114,7 @@ def main() -> int:
         x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
         n = M * K
         writes = 2 * (n // 2 + n // 16)
-        for mode, ref_kw, kw in MODES:
+        for mode, ref_kw, kw in modes:
             ref = quantize_nvfp4_rowcol_ref(x, col_rht=True, **ref_kw)
             am_row, am_col = ref[0].amax, ref[1].amax
             for label, cfg, acfg, modes in variants:
@@ -117,7 +132,8 @@ def main() -> int:
                         continue
                     nbytes = (2 * n if given else 4 * n) + writes
                     jobs.append(dict(K=K, mode=mode, variant=label, amax_given=given, fn=fn, nbytes=nbytes))
-        amax_variants = AMAX_VARIANTS[:1] if args.quick else AMAX_VARIANTS
+        amax_variants = [v for v in AMAX_VARIANTS if (keep is None or v[0] in keep)] if not args.quick \
+            else AMAX_VARIANTS[:1]
         for label, acfg in amax_variants:
             ref_am = torch.stack((ref[0].amax, ref[1].amax))
 
