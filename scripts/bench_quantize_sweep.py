@@ -102,7 +102,7 @@ def main() -> int:
         if unknown:
             ap.error(f"--variants: no variant labelled {', '.join(sorted(unknown))}")
     variants = [v for v in VARIANTS if keep is None or v[0] in keep]
-    modes = [m for m in MODES if args.modes is None or m[0] in args.modes]
+    run_modes = [m for m in MODES if args.modes is None or m[0] in args.modes]
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -114,7 +114,7 @@ def main() -> int:
         x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
         n = M * K
         writes = 2 * (n // 2 + n // 16)
-        for mode, ref_kw, kw in modes:
+        for mode, ref_kw, kw in run_modes:
             ref = quantize_nvfp4_rowcol_ref(x, col_rht=True, **ref_kw)
             am_row, am_col = ref[0].amax, ref[1].amax
             for label, cfg, acfg, modes in variants:
