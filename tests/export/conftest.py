@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.trainer.runs import TINY, _TOKENS, run, tail
+from tests.trainer.runs import ROOT, TINY, _TOKENS, run, tail
 
 # TINY without the GPT stand-in and its model sizes: the hybrid `tiny`, 64 tokens per micro-batch
 HYBRID_TINY = [a for a in TINY if not a.startswith(("experiment.model_provider", "model."))] + [
@@ -20,3 +20,28 @@ def train_tiny(out: Path, *extra: str, nproc: int = 1) -> Path:
     rc = run([*HYBRID_TINY, f"experiment.run_dir={out / 'run'}", *extra], log=log, nproc=nproc)
     assert rc == 0, tail(log)
     return out / "run"
+
+
+def nemotron_h():
+    """transformers' ``(NemotronHConfig, NemotronHForCausalLM)``.
+
+    transformers 5.25 imports the ``kernels`` distribution (Hugging Face's hub kernels, a requirement of it since
+    that release) when a model module loads. Under pytest the repository root is on ``sys.path`` ahead of
+    site-packages, and the root holds our own ``kernels/`` folder (installed as ``nvfp4_train.kernels``; nothing
+    imports it by its top-level name), which would shadow it. The models are imported with the root off the path,
+    as a user's process outside the checkout imports them."""
+    import importlib
+    import os
+    import sys
+
+    root = ROOT.resolve()
+    shadow = sys.modules.get("kernels")
+    if shadow is not None and Path(getattr(shadow, "__file__", None) or "/").resolve().parent == root / "kernels":
+        del sys.modules["kernels"]
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root]
+    try:
+        module = importlib.import_module("transformers")
+        return module.NemotronHConfig, module.NemotronHForCausalLM
+    finally:
+        sys.path[:] = saved

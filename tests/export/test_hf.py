@@ -15,7 +15,7 @@ import torch
 from nvfp4_train.models.config import model_config
 from nvfp4_train.export.hf import (ARCHITECTURE_FIELDS, from_hf_state, hf_config, model_config_from_hf,
                                    to_hf_state)
-from tests.export.conftest import HYBRID_TINY
+from tests.export.conftest import HYBRID_TINY, nemotron_h
 from tests.precision.mcore_util import megatron_single_rank
 from tests.trainer.runs import ROOT, env, run, tail
 
@@ -46,7 +46,7 @@ def _ours(mc, gen, *, perturb: bool = True):
 
 
 def _hf_model(mc, tensors, dtype="float32"):
-    from transformers import NemotronHConfig, NemotronHForCausalLM
+    NemotronHConfig, NemotronHForCausalLM = nemotron_h()
 
     cfg = {k: v for k, v in hf_config(mc, dtype=dtype).items() if k not in ("architectures", "model_type")}
     model = NemotronHForCausalLM(NemotronHConfig(**cfg)).eval()
@@ -141,7 +141,7 @@ def _cli(*args, timeout=300):
 
 
 def test_export_loads_in_transformers_import_round_trips_and_resumes(trained_tiny, tmp_path, single_rank, gen):
-    from transformers import NemotronHForCausalLM
+    _, NemotronHForCausalLM = nemotron_h()
     from safetensors.torch import load_file
 
     from nvfp4_train.export.checkpoint_io import build_model_single, load_checkpoint_model
@@ -198,7 +198,7 @@ def test_bad_inputs_are_named(trained_tiny, tmp_path, single_rank):
 def test_a_tensor_parallel_checkpoint_exports(tmp_path, single_rank, gen):
     """A TP=2 checkpoint (two gloo ranks) exports: megatron reshards it to TP=1 on load, and transformers
     computes what our TP=1 model computes with those weights."""
-    from transformers import NemotronHForCausalLM
+    _, NemotronHForCausalLM = nemotron_h()
 
     from nvfp4_train.export.checkpoint_io import build_model_single, load_checkpoint_model
     from nvfp4_train.export.hf import export_hf
