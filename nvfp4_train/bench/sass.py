@@ -1,0 +1,148 @@
+"""Static SASS of a Triton kernel, compiled for a GPU this machine need not have: instructions per element.
+
+The fused NVFP4 quantizer is bound by instruction issue (docs/benchmarks.md, "Kernels"), so what predicts its speed
+is the number of instructions each element costs. This module compiles a kernel with Triton for an NVIDIA target
+(sm_90 by default) on any machine: Triton's own ``ptxas`` assembles it and its ``nvdisasm`` disassembles the cubin,
+no GPU or driver needed. It then counts the kernel's instructions by opcode and divides by the elements one program
+handles. The counts are static: a loop body counts once, so "per element" is exact for a kernel without loops (the
+quantize kernel, fully unrolled) and per iteration for one with a loop; branches taken by no thread count too.
+
+The launch specializations of Triton's runtime are given explicitly: every pointer and the integers that the runtime
+finds divisible by 16 (M, K and the row stride of a 16-aligned tensor) carry ``tt.divisibility = 16``, and a unit
+stride is a constexpr, as when the kernel is launched on a contiguous tensor. Without them the loads are not
+vectorized and the count is not the one the GPU runs.
+
+Usage (repo root)::
+
+    python3 scripts/sass_count.py                        # the quantize kernel, RNE, its default 64x128 tile
+    python3 scripts/sass_count.py --sr --sass q.sass     # stochastic rounding; the disassembly written to q.sass
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+_INSTR = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)[.\s;]")
+
+
+@dataclass
+class SassCount:
+    """``total`` instructions of one program, ``by_op`` per opcode (modifiers dropped), for ``threads`` threads
+    and ``elements`` elements per program."""
+
+    total: int
+    by_op: Counter
+    threads: int
+    elements: int
+    sass: str
+
+    def per_element(self, n: int | None = None) -> float:
+        """Instructions per element: of all opcodes, or ``n`` instructions (one opcode's count)."""
+        return (self.total if n is None else n) * self.threads / self.elements
+
+
+def _nvidia_tool(name: str) -> Path:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: this Triton installation has no {name} (it ships with the NVIDIA backend)")
+    return path
+
+
+def count_opcodes(sass: str) -> Counter:
+    """Opcode -> count over the instruction lines of an ``nvdisasm`` listing (predicates and modifiers dropped)."""
+    ops: Counter = Counter()
+    for line in sass.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def compile_sass(kernel, signature: dict[str, str], constexprs: dict[str, object], divisible: list[str],
+                 num_warps: int, arch: int = 90, options: dict | None = None) -> str:
+    """The SASS listing of the ``@triton.jit`` function ``kernel`` compiled for sm_``arch``: ``signature`` gives
+    each runtime argument's Triton type (``*bf16``, ``i32``, ...), ``constexprs`` the value of every constexpr
+    parameter, ``divisible`` the arguments the runtime would specialize as divisible by 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    unknown = (set(signature) | set(constexprs) | set(divisible)) - set(names)
+    if unknown:
+        raise ValueError(f"{kernel.fn.__name__} has no parameter {', '.join(sorted(unknown))}")
+    missing = set(names) - set(signature) - set(constexprs)
+    if missing:
+        raise ValueError(f"no type or constexpr value for {', '.join(sorted(missing))}")
+    sig = {n: signature.get(n, "constexpr") for n in names}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
+                                                                                      **(options or {})))
+    with tempfile.TemporaryDirectory(prefix="sass_") as tmp:  # nvdisasm reads a file, not a pipe
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        proc = subprocess.run([str(_nvidia_tool("nvdisasm")), "-c", str(cubin)], capture_output=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {proc.stderr.decode(errors='replace').strip()}")
+    return proc.stdout.decode()
+
+
+def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
+                         arch: int = 90) -> SassCount:
+    """The fused NVFP4 quantize kernel as the linear layers launch it on a contiguous bf16 tensor (both copies, the
+    columnwise one Hadamard-mixed; ``sr``: stochastic rounding on both copies, as for a gradient, else
+    round-to-nearest-even), on the GPU path (hardware conversions, inline PTX)."""
+    from nvfp4_train.kernels.nvfp4.quantize import _quantize_grouped_kernel
+
+    pointers = dict(x_ptr="*bf16", amax_ptr="*fp32", row_codes_ptr="*u8", row_scales_ptr="*u8",
+                    col_words_ptr="*i64", col_scales_ptr="*u8", amax_out_ptr="*fp32", enc_tab_ptr="*fp32")
+    ints = dict(M="i32", K="i32", stride_m="i32", row_key="i64", col_key="i64")
+    constexprs = dict(WRITE_ROW=True, WRITE_COL=True, BLOCK_2D=False, COL_RHT=True, ROW_SR=sr, COL_SR=sr,
+                      IS_BF16=True, NATIVE_CVT=True, EVEN=True, BM=block_m, BK=block_k, ASM=True, SWIZZLE=False,
+                      KEY_PTR=False, stride_k=1)
+    sass = compile_sass(_quantize_grouped_kernel, {**pointers, **ints}, constexprs,
+                        divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch,
+                        options=dict(enable_fp_fusion=False))
+    ops = count_opcodes(sass)
+    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass)
+
+
+def report(c: SassCount, top: int) -> str:
+    lines = [f"{c.total} instructions per program, {c.threads} threads, {c.elements} elements: "
+             f"{c.per_element():.2f} per element", "", "| opcode | count | per element |", "|---|---:|---:|"]
+    lines += [f"| {op} | {n} | {c.per_element(n):.2f} |" for op, n in c.by_op.most_common(top)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sr", action="store_true", help="stochastic rounding on both copies (a gradient's)")
+    ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--block-k", type=int, default=128)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90 = sm_90)")
+    ap.add_argument("--top", type=int, default=30, help="opcodes listed, most frequent first")
+    ap.add_argument("--sass", type=Path, help="also write the disassembly here")
+    a = ap.parse_args(argv)
+    c = quantize_kernel_sass(a.sr, a.block_m, a.block_k, a.num_warps, a.arch)
+    print(f"# NVFP4 quantize kernel, {'SR' if a.sr else 'RNE'}, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
+          f"sm_{a.arch}\n")
+    print(report(c, a.top))
+    if a.sass:
+        a.sass.write_text(c.sass)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

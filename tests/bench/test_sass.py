@@ -1,0 +1,49 @@
+"""nvfp4_train.bench.sass: the opcode count of an nvdisasm listing, and the quantize kernel compiled for sm_90 on this
+(GPU-less) machine with the runtime's specializations: vectorized loads, the hardware conversions the GPU path asks
+for, and more instructions with stochastic rounding than without."""
+
+from __future__ import annotations
+
+import pytest
+
+from nvfp4_train.bench import sass
+
+LISTING = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/               @P0 VIADD R2, R3, 0xaffff02 ;
+        /*0030*/              @!P1 FADD R4, R5, R6 ;
+        /*0040*/                   FADD.FTZ R4, R4, R6 ;
+        /*0050*/                   NOP;
+.L_x_1:
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_count_opcodes_drops_predicates_and_modifiers():
+    ops = sass.count_opcodes(LISTING)
+    assert ops == {"LDC": 1, "S2R": 1, "VIADD": 1, "FADD": 2, "NOP": 1, "EXIT": 1}
+
+
+def _have_tools() -> bool:
+    try:
+        sass._nvidia_tool("ptxas"), sass._nvidia_tool("nvdisasm")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _have_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
+def test_quantize_kernel_counts_for_sm90():
+    rne = sass.quantize_kernel_sass(sr=False)
+    assert rne.threads == 128 and rne.elements == 64 * 128
+    assert rne.total == sum(rne.by_op.values())
+    per_thread = rne.elements // rne.threads  # 64 bf16 elements of x per thread
+    # x's loads are vectorized (4 bf16 a load; the rest are the encode-table lookups and the amax), i.e. the
+    # divisibility specialization took effect: without it each element is a load of its own (135 loads)
+    assert rne.by_op["LDG"] < per_thread
+    assert rne.by_op["F2FP"] > 0  # cvt.rn.bf16x2 and the E4M3 scale conversion, the GPU path's
+    assert rne.by_op["PRMT"] > 0  # the byte permutes of the code packing
+    sr = sass.quantize_kernel_sass(sr=True)
+    assert sr.total > rne.total  # the counter hash and the rounding-up add of every code
+    assert "instructions per program" in sass.report(rne, 5)
