@@ -998,8 +998,10 @@ class Trainer:
             self._evaluate_and_record()
         if self.cfg.checkpoint.save_at_end and self.saved_step != self.step:
             self._save_unless_in_streak("checkpoint.save_at_end")
+        graph = {} if self.cuda_graph is None else {"cuda_graph_captures": self.cuda_graph.captures,
+                                                     "cuda_graph_replays": self.cuda_graph.replays}
         self.metrics.event("end", self.step, loss=self.last_loss, val_loss=self.last_val,
-                           skipped_steps=self.skipped_steps)
+                           skipped_steps=self.skipped_steps, **graph)
 
     def _result(self, *, stopped: bool) -> TrainResult:
         return TrainResult(run_dir=str(self.run_dir), step=self.step,

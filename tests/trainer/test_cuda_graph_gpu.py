@@ -1,6 +1,7 @@
 """Training with CUDA graphs equals eager training bit for bit (one GPU, NVFP4 with stochastic rounding): the
 same seed gives the same losses, gradient norms, validation losses and final parameters, across an evaluation
-between steps, a precision switch (a new capture) and a resume.
+between steps, a precision switch (a new capture) and a resume; on two GPUs (NCCL), under DP=2 and TP=2 with
+sequence parallelism, ``train.py``'s losses, gradient norms and validation losses.
 
 Bitwise comparisons need deterministic kernels: the first test also runs eager twice and fails, saying so, when
 those two differ. Attention and MLP blocks (``ATTN``) are deterministic on the H200; the hybrid model's Mamba
@@ -9,12 +10,15 @@ atomics; docs/training.md, "First steps on a GPU")."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from nvfp4_train.config import compose_config
+from nvfp4_train.metrics import load_metrics
 from nvfp4_train.trainer import Trainer
-from tests.trainer.runs import _TOKENS
+from tests.trainer.runs import _TOKENS, run, tail
 from tests.trainer.test_trainer_step import one_process_env  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
@@ -112,3 +116,35 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, one_process_env):  # noqa:
         got_state = _state(g)
     assert first + rest == want
     _same(got_state, want_state)
+
+
+# two ranks over NCCL: the hybrid `tiny` data-parallel; attention and MLP blocks under TP=2 with sequence
+# parallelism (TP collectives and the quantized layers' amax all-reduces inside the graph)
+LAYOUTS = {"dp2": [], "tp2sp": [*ATTN, "parallel.tp=2", "parallel.sequence_parallel=true"]}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_gpus_graphed_training_equals_eager(tmp_path, layout):
+    """``train.py`` on two GPUs, eager and graphed, 6 steps with an evaluation after step 3: the same losses,
+    gradient norms and validation losses (as logged: a float's shortest round-trip repr, so bit for bit), and
+    the graphed run captured once and replayed steps 3-6 (no fallback)."""
+    runs = {}
+    for graph in ("off", "on"):
+        out, log = tmp_path / graph, tmp_path / f"{graph}.log"
+        args = [*BASE, *LAYOUTS[layout], f"schedule.cuda_graph={graph}", "schedule.train_steps=6",
+                "schedule.eval_interval=3", f"experiment.run_dir={out}"]
+        rc = run(args, nproc=2, log=log, timeout=900, MAMBA_DETERMINISTIC="1")
+        assert rc == 0, tail(log)
+        train = [(r["step"], r["loss"], r["grad_norm"], r.get("skipped_steps")) for r in load_metrics(out)]
+        evals = [(r["step"], r["val_loss"]) for r in load_metrics(out, "eval")]
+        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        runs[graph] = (train, evals, [e for e in events
+                                      if e["type"] == "event" and e["event"] in ("end", "cuda_graph_fallback")])
+    (want, want_eval, eager_events), (got, got_eval, graph_events) = runs["off"], runs["on"]
+    assert [s for s, *_ in want] == list(range(1, 7)) and [s for s, _ in want_eval] == [3, 6]
+    assert [e["event"] for e in eager_events] == ["end"] and "cuda_graph_captures" not in eager_events[0]
+    assert [e["event"] for e in graph_events] == ["end"], graph_events  # no fallback
+    assert (graph_events[0]["cuda_graph_captures"], graph_events[0]["cuda_graph_replays"]) == (1, 4)
+    assert got == want
+    assert got_eval == want_eval
