@@ -27,7 +27,7 @@ from pathlib import Path
 
 from nvfp4_train.checkpoint import find_resume_checkpoint, list_checkpoints, step_dir_name, verify_checkpoint
 from nvfp4_train.metrics import load_metrics
-from tests.trainer.runs import TINY, run, start, tail
+from tests.trainer.runs import TINY, events, run, start, tail
 
 STEPS = 12  # more than the kills can reach (at most two saves per process): none hits the end
 KILLS = 5
@@ -36,11 +36,7 @@ SAVE_EVERY_STEP = ["checkpoint.interval=1", "checkpoint.keep_last=2"]
 
 
 def _events(run_dir: Path, name: str) -> list[dict]:
-    f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return []
-    recs = (json.loads(line) for line in f.read_text().splitlines() if line.strip())
-    return [r for r in recs if r["type"] == "event" and r["event"] == name]
+    return events(run_dir, name) if (run_dir / "metrics.jsonl").is_file() else []
 
 
 def _train_steps(run_dir: Path) -> list[int]:

@@ -5,14 +5,13 @@ good checkpoint as if the bad steps had never happened."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
 from nvfp4_train.metrics import load_metrics
 from nvfp4_train.precision.telemetry import OPERAND_NAMES
-from tests.trainer.runs import TINY, run, start, tail
+from tests.trainer.runs import TINY, events, run, start, tail
 
 pytest.importorskip("nvfp4_train.models.build")
 
@@ -22,11 +21,6 @@ BASE = ["model=tiny", "precision=nvfp4",
         *(a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment", "checkpoint")),
         "experiment.model_provider=tests.reliability.providers:hybrid", f"schedule.train_steps={STEPS}",
         "checkpoint.interval=3", "optim.max_consecutive_bad_steps=2"]
-
-
-def _events(run_dir, name):
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in recs if r["type"] == "event" and r["event"] == name]
 
 
 def test_nan_gradient_in_one_layer_is_skipped_named_and_resumed(reliability_runs):
@@ -50,14 +44,14 @@ def nan_gradient_runs(tmp_path) -> None:
     assert [r["skipped"] for r in recs] == [False, False, False, True, True]
     assert [r["skipped_steps"] for r in recs] == [0, 0, 0, 1, 2]
     assert all(r["grad_norm"] is None and math.isfinite(r["loss"]) for r in recs[3:])  # finite loss, NaN grad
-    skipped = _events(bad, "skipped_step")
+    skipped = events(bad, "skipped_step")
     assert [(e["step"], e["reason"], e["consecutive"], e["first_nonfinite_layer"]) for e in skipped] == [
         (4, "non-finite gradient", 1, LAYER), (5, "non-finite gradient", 2, LAYER)]
 
     # the stop report: the layer, where it went non-finite, and its telemetry (collected in the step after
     # the first skipped one): its forward operands are finite, the NaN gradient gives NaN dy operands
-    (div,) = _events(bad, "diverged")
-    assert div["step"] == 5 and not _events(bad, "end")
+    (div,) = events(bad, "diverged")
+    assert div["step"] == 5 and not events(bad, "end")
     assert (div["first_nonfinite_layer"], div["first_nonfinite_step"], div["first_nonfinite_in"]) == (
         LAYER, 4, "backward")
     assert div["telemetry_step"] == 5
@@ -75,7 +69,7 @@ def nan_gradient_runs(tmp_path) -> None:
     # resume on request: from that checkpoint, no fault now; the steps after it are those of a run that
     # never had one (bitwise: the checkpoint carries the stochastic-rounding counters)
     assert run([*BASE, f"experiment.run_dir={bad}"], log=tmp_path / "resume.log") == 0, tail(tmp_path / "resume.log")
-    assert [e["step"] for e in _events(bad, "resume")] == [3]
+    assert [e["step"] for e in events(bad, "resume")] == [3]
     assert r.wait(timeout=300) == 0, tail(tmp_path / "ref.log")
     got, want = load_metrics(bad), load_metrics(ref)
     assert [x["step"] for x in got] == [x["step"] for x in want] == list(range(1, STEPS + 1))
@@ -95,8 +89,8 @@ def test_nan_gradient_on_one_data_parallel_rank_is_skipped_by_all_and_named(tmp_
     log = (tmp_path / "dp.log").read_text()
     assert rc != 0 and "2 consecutive steps with a non-finite loss or gradient" in log, tail(tmp_path / "dp.log")
     assert [r["skipped"] for r in load_metrics(out)] == [False, True, True]
-    assert [(e["step"], e["first_nonfinite_layer"]) for e in _events(out, "skipped_step")] == [(2, LAYER), (3, LAYER)]
-    (div,) = _events(out, "diverged")
+    assert [(e["step"], e["first_nonfinite_layer"]) for e in events(out, "skipped_step")] == [(2, LAYER), (3, LAYER)]
+    (div,) = events(out, "diverged")
     assert (div["first_nonfinite_layer"], div["first_nonfinite_step"], div["first_nonfinite_rank"]) == (LAYER, 2, 1)
     assert div["telemetry_step"] == 3 and math.isnan(div["layer_telemetry"]["dgrad.dy"]["sqnr_db"])
     assert f"of layer {LAYER} at step 2 (rank 1)" in log

@@ -20,7 +20,7 @@ import pytest
 
 from nvfp4_train.metrics import load_metrics
 from nvfp4_train.precision.telemetry import OPERAND_NAMES
-from tests.trainer.runs import TINY, run, start, tail
+from tests.trainer.runs import TINY, events, run, start, tail
 
 pytest.importorskip("nvfp4_train.models.build")
 
@@ -29,11 +29,6 @@ SPIKE = ["spike.factor=1.5", "spike.window=8", "spike.min_history=3"]
 COMMON = [*(a for a in TINY if a.split("=")[0].split(".")[0] not in ("model", "experiment", "checkpoint")), *SPIKE]
 GPT = [*(a for a in TINY if a.startswith("model.")), "experiment.model_provider=tests.reliability.providers:gpt"]
 HYBRID = ["model=tiny", "precision=nvfp4", "experiment.model_provider=tests.reliability.providers:hybrid"]
-
-
-def _events(run_dir, name):
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in recs if r["type"] == "event" and r["event"] == name]
 
 
 def _batches(path):
@@ -65,33 +60,33 @@ def spike_runs(tmp_path) -> None:
     assert rc == 3, tail(tmp_path / "b.log")
     assert a.wait(timeout=300) == 0, tail(tmp_path / "a.log")
     assert c.wait(timeout=300) == 0, tail(tmp_path / "c.log")
-    assert [e["step"] for e in _events(c_dir, "loss_spike")] == [6] and not _events(c_dir, "rollback")
+    assert [e["step"] for e in events(c_dir, "loss_spike")] == [6] and not events(c_dir, "rollback")
     assert "step 6: no checkpoint to roll back to yet; continuing" in (tmp_path / "c.log").read_text()
     assert [r["step"] for r in load_metrics(c_dir)] == list(range(1, 8))
 
     # A: one spike event, at step 6, against the median of steps 1-5, with the telemetry collected in step 6
     # (every 5 steps: 1, 6, 11); the step after the spike collects it too (7)
     recs = load_metrics(a_dir)
-    (ev,) = _events(a_dir, "loss_spike")
+    (ev,) = events(a_dir, "loss_spike")
     assert ev["step"] == 6 and ev["loss"] == recs[5]["loss"] and ev["factor"] == 1.5
     assert ev["median"] == statistics.median(r["loss"] for r in recs[:5])
     assert ev["loss"] > 1.5 * ev["median"]
     assert ev["telemetry_step"] == 6 and "blocks.2.attention.qkv" in ev["telemetry"]
     assert set(ev["telemetry"]["blocks.2.attention.qkv"]) == set(OPERAND_NAMES)
     assert [r["step"] for r in load_metrics(a_dir, "telemetry")] == [1, 6, 7, 11]
-    assert not _events(a_dir, "rollback") and [r["step"] for r in recs] == list(range(1, 13))
+    assert not events(a_dir, "rollback") and [r["step"] for r in recs] == list(range(1, 13))
     ref = _batches(tmp_path / "a.batches")
     assert len(ref) == 12 * MICRO and len(set(ref)) == len(ref)
 
     # B: spike at 6 -> back to the checkpoint of step 4, samples [16, 24) (steps 5 and 6) skipped; the redone
     # steps 5-8 train on the batches of A's steps 7-10; the spike at (redone) step 8 finds no rollback left
-    spikes = _events(b_dir, "loss_spike")
+    spikes = events(b_dir, "loss_spike")
     assert [e["step"] for e in spikes] == [6, 8]
-    (rb,) = _events(b_dir, "rollback")
+    (rb,) = events(b_dir, "rollback")
     assert (rb["step"], rb["from_step"], rb["skipped_samples"], rb["rollbacks"]) == (4, 6, [16, 24], 1)
     assert rb["checkpoint"] == str(b_dir / "checkpoints" / "step_0000004")
     assert _batches(tmp_path / "b.batches") == ref[:10 * MICRO]
-    (div,) = _events(b_dir, "diverged")
+    (div,) = events(b_dir, "diverged")
     assert div["step"] == 8 and "spike.max_rollbacks=1 rollbacks done" in div["message"]
     assert "loss spike" in (tmp_path / "b.log").read_text()
     recs = load_metrics(b_dir)
@@ -104,7 +99,7 @@ def spike_runs(tmp_path) -> None:
     # resume B without faults: from step 6 at sample 32, i.e. A's batches of steps 9-12 for steps 7-10
     rc = run(b_args, log=tmp_path / "b2.log", RELIABILITY_BATCH_LOG=str(tmp_path / "b2.batches"))
     assert rc == 0, tail(tmp_path / "b2.log")
-    assert [e["step"] for e in _events(b_dir, "resume")] == [6]
+    assert [e["step"] for e in events(b_dir, "resume")] == [6]
     assert _batches(tmp_path / "b2.batches") == ref[8 * MICRO:]
     state = json.loads((b_dir / "checkpoints" / "step_0000010" / "trainer_state.json").read_text())
     assert (state["consumed_samples"], state["skipped_samples"], state["rollbacks"]) == (48, 8, 1)

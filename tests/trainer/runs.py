@@ -90,5 +90,10 @@ def run(args: list[str], *, log: Path, timeout: float = 300, **kw) -> int:
         raise
 
 
+def events(run_dir: Path, *names: str) -> list[dict]:
+    """The event records of a run's ``metrics.jsonl`` in the order written; only those named ``names``, if given."""
+    recs = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip())
+    return [r for r in recs if r["type"] == "event" and (not names or r["event"] in names)]
+
 def tail(log: Path, n: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-n:])

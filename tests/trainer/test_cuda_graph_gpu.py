@@ -10,15 +10,13 @@ atomics; docs/training.md, "First steps on a GPU")."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from nvfp4_train.config import compose_config
 from nvfp4_train.metrics import load_metrics
 from nvfp4_train.trainer import Trainer
-from tests.trainer.runs import _TOKENS, run, tail
+from tests.trainer.runs import _TOKENS, events, run, tail
 from tests.trainer.test_trainer_step import one_process_env  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
@@ -138,9 +136,7 @@ def test_two_gpus_graphed_training_equals_eager(tmp_path, layout):
         assert rc == 0, tail(log)
         train = [(r["step"], r["loss"], r["grad_norm"], r.get("skipped_steps")) for r in load_metrics(out)]
         evals = [(r["step"], r["val_loss"]) for r in load_metrics(out, "eval")]
-        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        runs[graph] = (train, evals, [e for e in events
-                                      if e["type"] == "event" and e["event"] in ("end", "cuda_graph_fallback")])
+        runs[graph] = (train, evals, events(out, "end", "cuda_graph_fallback"))
     (want, want_eval, eager_events), (got, got_eval, graph_events) = runs["off"], runs["on"]
     assert [s for s, *_ in want] == list(range(1, 7)) and [s for s, _ in want_eval] == [3, 6]
     assert [e["event"] for e in eager_events] == ["end"] and "cuda_graph_captures" not in eager_events[0]

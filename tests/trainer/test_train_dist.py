@@ -3,22 +3,17 @@ checkpoint, and a TP=2 checkpoint resumes under PP=2 (model and optimizer state 
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
 from nvfp4_train.metrics import load_metrics
-from tests.trainer.runs import TINY, run, tail
+from tests.trainer.runs import TINY, events, run, tail
 
 pytestmark = pytest.mark.dist
 
 FP32_U = 2.0 ** -24  # unit roundoff of fp32
-
-
-def _events(run_dir):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["type"] == "event"]
 
 
 def _read_dist(step_dir) -> dict[str, torch.Tensor]:
@@ -73,7 +68,7 @@ def test_two_ranks_tp2_checkpoint_resumes_under_pp2(tmp_path):
     rc = run([*args, *lr0, "parallel.pp=2", f"experiment.run_dir={pp}", f"checkpoint.resume={ckpt}"], nproc=2,
              log=tmp_path / "pp.log")
     assert rc == 0, tail(tmp_path / "pp.log")
-    assert [e["step"] for e in _events(pp) if e["event"] == "resume"] == [3]
+    assert [e["step"] for e in events(pp) if e["event"] == "resume"] == [3]
     got = load_metrics(pp)
     assert [r["step"] for r in got] == [4] and got[0]["lr"] == 0.0
     assert math.isfinite(got[0]["loss"]) and got[0]["grad_norm"] > 0

@@ -12,14 +12,9 @@ import pytest
 
 from nvfp4_train.metrics import load_metrics
 from tests.side_by_side import for_selected_tests
-from tests.trainer.runs import TINY, run, start, tail
+from tests.trainer.runs import TINY, events, run, start, tail
 
 STEPS = 8
-
-
-def _events(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["type"] == "event"]
 
 
 def _wait_for_step(run_dir, step, proc, timeout=240):
@@ -71,7 +66,7 @@ def _sigterm_resume_gpt(tmp_path):
     os.killpg(b.pid, signal.SIGTERM)
     assert b.wait(timeout=240) == 0, tail(tmp_path / "b.log")
     assert a.wait(timeout=240) == 0, tail(tmp_path / "a.log")
-    ev = _events(b_dir)
+    ev = events(b_dir)
     stopped = [e for e in ev if e["event"] == "signal"][0]["step"]
     assert 3 <= stopped < STEPS
     assert (b_dir / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
@@ -87,7 +82,7 @@ def _sigterm_resume_gpt(tmp_path):
     log = (tmp_path / "b4.log").read_text()
     assert rc != 0
     assert "was written for another model" in log and "hidden_size: checkpoint 32, this run 64" in log
-    assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped]
+    assert [e["step"] for e in events(b_dir) if e["event"] == "resume"] == [stopped]
     ref = load_metrics(a_dir)
     _same(ref, load_metrics(b_dir))
     assert [r["val_loss"] for r in load_metrics(a_dir, "eval")] == [r["val_loss"] for r in load_metrics(b_dir, "eval")]
@@ -103,7 +98,7 @@ def _sigterm_resume_gpt(tmp_path):
     assert run(b_args, log=tmp_path / "b3.log") == 0, tail(tmp_path / "b3.log")
     log = (tmp_path / "b3.log").read_text()
     assert f"checkpoint {last} is not usable" in log and shard.name in log
-    assert [e["step"] for e in _events(b_dir) if e["event"] == "resume"] == [stopped, previous]
+    assert [e["step"] for e in events(b_dir) if e["event"] == "resume"] == [stopped, previous]
     _same(ref, load_metrics(b_dir))
 
 
@@ -124,14 +119,14 @@ def _nonfinite_steps(tmp_path):
     assert [r["skipped"] for r in recs] == [False, True, False, False, False, False]
     assert recs[1]["grad_norm"] is None and recs[1]["loss"] == recs[1]["loss"]  # finite loss, no norm
     assert recs[-1]["skipped_steps"] == 1
-    skipped = [e for e in _events(tmp_path / "g") if e["event"] == "skipped_step"]
+    skipped = [e for e in events(tmp_path / "g") if e["event"] == "skipped_step"]
     assert [(e["step"], e["reason"]) for e in skipped] == [(2, "non-finite gradient")]
 
     recs = load_metrics(tmp_path / "n")
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
     assert [r["skipped"] for r in recs] == [False, False, True, True, True]
     assert recs[-1]["skipped_steps"] == 3
-    ev = _events(tmp_path / "n")
+    ev = events(tmp_path / "n")
     assert [e["event"] for e in ev if e["event"] in ("diverged", "end")] == ["diverged"]
     assert "3 consecutive steps with a non-finite loss or gradient" in (tmp_path / "n.log").read_text()
     # nothing was saved from the diverged state
@@ -160,7 +155,7 @@ def _sigterm_resume_hybrid(tmp_path):
     assert run([*base, f"experiment.run_dir={b_dir}"], log=tmp_path / "b2.log") == 0, tail(tmp_path / "b2.log")
     manifest = json.loads(next((b_dir / "checkpoints").glob("step_*/manifest.json")).read_text())
     assert manifest["meta"]["optim_format"] == "dp_reshardable"
-    assert len([e for e in _events(b_dir) if e["event"] == "resume"]) == 1
+    assert len([e for e in events(b_dir) if e["event"] == "resume"]) == 1
     _same(load_metrics(a_dir), load_metrics(b_dir))
     # telemetry (nvfp4_train.precision.telemetry) every 3 steps: steps 0, 3, 6 (0-based) -> records 1, 4, 7
     tel = load_metrics(a_dir, "telemetry")
