@@ -16,8 +16,8 @@ import pytest
 
 from nvfp4_train.metrics import load_metrics
 from tests.side_by_side import for_selected_tests
-from tests.trainer.runs import TINY, env, run, start, tail
-from tests.trainer.test_train_run import _events, _wait_for_step
+from tests.trainer.runs import TINY, env, events, run, start, tail
+from tests.trainer.test_train_run import _wait_for_step
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_no_checkpoint_is_written_during_a_streak_of_bad_steps(runs):
     rc, out = res["test_no_checkpoint_is_written_during_a_streak_of_bad_steps"].result()
     assert rc == 3, tail(tmp / "n.log")
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
-    assert [e["step"] for e in _events(out) if e["event"] == "checkpoint_skipped"] == [3, 4]
-    (div,) = [e for e in _events(out) if e["event"] == "diverged"]
+    assert [e["step"] for e in events(out) if e["event"] == "checkpoint_skipped"] == [3, 4]
+    (div,) = [e for e in events(out) if e["event"] == "diverged"]
     assert div["last_good_checkpoint"] == str(out / "checkpoints" / "step_0000002")
     assert f"The last good checkpoint is {out / 'checkpoints' / 'step_0000002'}" in (tmp / "n.log").read_text()
 
@@ -95,7 +95,7 @@ def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_ta
     assert f"run directory {out} is in use by another run (pid 4242 on host elsewhere" in log
     assert not got["mixed_in"]  # nothing mixed in: no metrics.jsonl, no config.yaml
     assert got["third"] == 0, tail(tmp / "third.log")
-    (ev,) = [e for e in _events(out) if e["event"] == "lock_taken_over"]
+    (ev,) = [e for e in events(out) if e["event"] == "lock_taken_over"]
     assert ev["previous"] == "pid 4242 on host elsewhere"
 
 
@@ -160,7 +160,7 @@ def test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0(
     tmp, res = runs
     rc, out = res["test_sigterm_to_the_process_group_with_dataloader_workers_saves_and_exits_0"].result()
     assert rc == 0, tail(tmp / "w.log")
-    stopped = [e for e in _events(out) if e["event"] == "signal"][0]["step"]
+    stopped = [e for e in events(out) if e["event"] == "signal"][0]["step"]
     assert (out / "checkpoints" / f"step_{stopped:07d}" / "manifest.json").is_file()
 
 
@@ -179,7 +179,7 @@ def test_sigterm_before_the_first_step_exits_0_and_names_it(runs):
     assert rc == 0, tail(tmp / "s.log")
     assert "signal received before the first step; stopping without training" in (tmp / "s.log").read_text()
     assert load_metrics(out) == [] and not list((out / "checkpoints").glob("step_*"))  # the directory is checked writable up front
-    (ev,) = [e for e in _events(out) if e["event"] == "signal"]
+    (ev,) = [e for e in events(out) if e["event"] == "signal"]
     assert ev["before_first_step"] is True
 
 
@@ -225,8 +225,8 @@ def test_resumes_that_change_the_run_say_so_and_a_finished_run_adds_no_eval(runs
     assert got["longer"] == 0, tail(tmp / "3.log")
     log = (tmp / "3.log").read_text()
     assert "the schedule differs from checkpoint" in log and "the precision differs from checkpoint" in log
-    (sched,) = [e for e in _events(out) if e["event"] == "schedule_change"]
+    (sched,) = [e for e in events(out) if e["event"] == "schedule_change"]
     assert sched["step"] == 3 and sched["changed"]["train_steps"] == [3, 5]
-    (prec,) = [e for e in _events(out) if e["event"] == "precision_change"]
+    (prec,) = [e for e in events(out) if e["event"] == "precision_change"]
     assert (prec["checkpoint"]["recipe"], prec["now"]["recipe"]) == ("nvfp4", "bf16")
-    assert not [e for e in _events(out) if e["event"] == "lock_taken_over"]  # each run released it cleanly
+    assert not [e for e in events(out) if e["event"] == "lock_taken_over"]  # each run released it cleanly
