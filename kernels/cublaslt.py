@@ -14,9 +14,15 @@ fp32 (``CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE``): the "in place" and "output ty
 partial sums in a bf16 output. tests/kernels/test_nvfp4_gemm_cublas.py checks all of it bit for bit on
 exactly-summable inputs at K = 20480 on the GPU.
 
-Layout: A [M, K] and B [N, K] row-major (unit stride along K), D [M, N] row-major. In cuBLAS's column-major
-terms that is D^T (N x M) = op(B) (N x K) . op(A) (K x M) with B transposed: the "TN" GEMM torch runs for
-``a @ b.t()``.
+Layout: A [M, K] and B [N, K], D [M, N] row-major. In cuBLAS's column-major terms that is D^T (N x M) =
+op(B) (N x K) . op(A) (K x M): with both operands K-contiguous (row-major) the "TN" GEMM torch runs for
+``a @ b.t()``; an operand given as a transposed view (M- or N-contiguous, e.g. ``dy.t()`` of a row-major dy) is
+read in place with the other transpose flag, so the three GEMMs of a linear layer (fprop x.W^T, dgrad dy.W,
+wgrad dy^T.x) need no copies.
+
+Accumulation (``accumulate=True``, beta = 1 read from the device): ``D = fl32(alpha * acc) + C`` in the same
+epilogue, C = D's old contents: the weight-gradient GEMM adds straight into megatron's fp32 ``main_grad``
+(``nvfp4_train.mcore_compat.wgrad``) instead of writing a bf16 gradient that a second pass adds.
 
 Per (device, shape, dtypes, leading dimensions, pointer alignments) the descriptors and the algorithm the
 heuristic picks are built once and kept; per (device, stream) one 32 MiB workspace. A call then costs one
@@ -172,24 +178,31 @@ def _alignment(t: torch.Tensor) -> int:
     return min(256, addr & -addr) if addr else 256
 
 
-def _plan(handle: ctypes.c_void_p, dev: int, M: int, N: int, K: int, lda: int, ldb: int, ab_dtype, d_dtype,
-          aligns: tuple) -> tuple:
-    """(desc, layout of cuBLAS's A = our B, of cuBLAS's B = our A, of D, heuristic result), built once."""
+def _plan(handle: ctypes.c_void_p, dev: int, M: int, N: int, K: int, a_lay: tuple[bool, int],
+          b_lay: tuple[bool, int], ab_dtype, d_dtype, aligns: tuple) -> tuple:
+    """(desc, layout of cuBLAS's A = our B, of cuBLAS's B = our A, of D, heuristic result), built once.
+    ``a_lay``/``b_lay``: (K-contiguous, leading dimension) of our A [M, K] and B [N, K] (see :func:`_layout`)."""
     st = _STATE
-    key = (dev, M, N, K, lda, ldb, ab_dtype, d_dtype, aligns)
+    key = (dev, M, N, K, a_lay, b_lay, ab_dtype, d_dtype, aligns)
     plan = st.plans.get(key)
     if plan is not None:
         return plan
     lib = st.lib
+    (a_krow, lda), (b_krow, ldb) = a_lay, b_lay
     desc = ctypes.c_void_p()
     lib.check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
-    for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+    # column-major: D^T (N x M) = op(cuBLAS A = our B) (N x K) . op(cuBLAS B = our A^T) (K x M). Our B with K
+    # contiguous is stored K x N (transposed, ld ldb), with N contiguous N x K (as is); our A with K contiguous is
+    # stored K x M (as is), with M contiguous M x K (transposed).
+    trans_a, trans_b = (_OP_T if b_krow else _OP_N), (_OP_N if a_krow else _OP_T)
+    for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, trans_a), (_DESC_TRANSB, trans_b)):
         v = ctypes.c_int32(value)
         lib.check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), ctypes.sizeof(v)),
                   f"cublasLtMatmulDescSetAttribute({attr})")
     layouts = []
-    # column-major: cuBLAS A = our B stored K x N (ld ldb), cuBLAS B = our A stored K x M (ld lda), D N x M
-    for dtype, rows, cols, ld in ((ab_dtype, K, N, ldb), (ab_dtype, K, M, lda), (d_dtype, N, M, N)):
+    b_rows, b_cols = (K, N) if b_krow else (N, K)
+    a_rows, a_cols = (K, M) if a_krow else (M, K)
+    for dtype, rows, cols, ld in ((ab_dtype, b_rows, b_cols, ldb), (ab_dtype, a_rows, a_cols, lda), (d_dtype, N, M, N)):
         lay = ctypes.c_void_p()
         lib.check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), _DTYPE_CODE[dtype], rows, cols, ld),
                   "cublasLtMatrixLayoutCreate")
@@ -221,6 +234,19 @@ def _plan(handle: ctypes.c_void_p, dev: int, M: int, N: int, K: int, lda: int, l
     return plan
 
 
+def _layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[bool, int]]:
+    """``t`` [R, K] as cuBLAS can read it without a copy: (t, (True, ld)) when K is contiguous (row-major,
+    ld = stride(0)), (t, (False, ld)) when R is contiguous (a transposed view, ld = stride(1)); otherwise a
+    row-major copy."""
+    r, k = t.shape
+    if t.stride(1) == 1 and t.stride(0) >= max(k, 1):
+        return t, (True, t.stride(0))
+    if t.stride(0) == 1 and t.stride(1) >= max(r, 1):
+        return t, (False, t.stride(1))
+    t = t.contiguous()
+    return t, (True, max(k, 1))
+
+
 def _workspace(dev: int, stream: int) -> torch.Tensor:
     """The workspace of cuBLASLt's calls on ``stream`` (scratch: never read before written, so one made under a
     CUDA-graph capture, from the graph's memory, serves that stream's later captures too)."""
@@ -232,12 +258,16 @@ def _workspace(dev: int, stream: int) -> torch.Tensor:
 
 
 def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """``D[M, N] = round_to_out_dtype(fl32(alpha * sum_k a[m, k] * b[n, k]))`` on the GPU by one cuBLASLt call:
-    A [M, K], B [N, K] CUDA tensors of one 16-bit dtype with unit stride along K; ``alpha`` a 1-element fp32
-    tensor on their device, read by the GEMM's epilogue (None: 1); ``out_dtype`` per ``supported_dtypes``.
-    ``out``: a contiguous [M, N] tensor of ``out_dtype`` to write (its contents are not read); else one is
-    allocated. No host synchronization."""
+    A [M, K], B [N, K] CUDA tensors of one 16-bit dtype, each either K-contiguous (row-major) or a transposed
+    view (M- or N-contiguous: read in place, as cuBLAS's transpose flags allow; any other strides are copied);
+    ``alpha`` a 1-element fp32 tensor on their device, read by the GEMM's epilogue (None: 1); ``out_dtype`` per
+    ``supported_dtypes``. ``out``: a contiguous [M, N] tensor of ``out_dtype`` to write; else one is allocated.
+    ``accumulate=True`` (``out`` required) adds into ``out`` in the same epilogue (beta = 1):
+    ``D = round_to_out_dtype(fl32(alpha * acc) + C)`` in fp32 (cuBLASLt's fp32 epilogue; it may fuse the two
+    steps into one FMA), C the old contents of ``out``; else ``out``'s contents are not read.
+    No host synchronization."""
     if not (a.is_cuda and b.is_cuda and a.device == b.device):
         raise ValueError(f"matmul_device_alpha runs on one CUDA device, got {a.device} and {b.device}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -247,12 +277,10 @@ def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | 
                         f"{sorted((str(x), str(y)) for x, y in _SUPPORTED)}")
     if alpha is not None and (alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.device != a.device):
         raise ValueError(f"matmul_device_alpha: alpha must be a 1-element float32 tensor on {a.device}")
+    if accumulate and out is None:
+        raise ValueError("matmul_device_alpha: accumulate=True adds into out: pass the tensor to add into as out")
     M, K = a.shape
     N = b.shape[0]
-    if a.stride(1) != 1 or a.stride(0) < max(K, 1):
-        a = a.contiguous()
-    if b.stride(1) != 1 or b.stride(0) < max(K, 1):
-        b = b.contiguous()
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != a.device:
@@ -260,22 +288,26 @@ def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | 
     if M == 0 or N == 0:
         return out
     if K == 0:
-        # an empty sum: fl(alpha * 0) (NaN for a NaN alpha), without a cuBLAS call
-        return out.copy_((alpha if alpha is not None else torch.ones(1, device=a.device)) * 0.0)
+        # an empty sum: fl(alpha * 0) (NaN for a NaN alpha), added to C when accumulating, without a cuBLAS call
+        zero = (alpha if alpha is not None else torch.ones(1, device=a.device)) * 0.0
+        return out.add_(zero) if accumulate else out.copy_(zero)
+    a, a_lay = _layout(a)
+    b, b_lay = _layout(b)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     with _STATE.lock:
         handle = _handle(dev)
-        plan = _plan(handle, dev, M, N, K, a.stride(0), b.stride(0), a.dtype, out_dtype,
+        plan = _plan(handle, dev, M, N, K, a_lay, b_lay, a.dtype, out_dtype,
                      (_alignment(b), _alignment(a), _alignment(out)))
         stream = torch.cuda.current_stream(dev).cuda_stream
         ws = _workspace(dev, stream)
         zero, one = _constants(dev)
     desc, lay_b, lay_a, lay_d, result = plan
     lib = _STATE.lib
+    beta = one if accumulate else zero
     # cuBLASLt launches on the current device: make it the operands' for the call
     with torch.cuda.device(dev) if torch.cuda.current_device() != dev else contextlib.nullcontext():
         lib.check(lib.cublasLtMatmul(handle, desc, (alpha if alpha is not None else one).data_ptr(), b.data_ptr(),
-                                     lay_b, a.data_ptr(), lay_a, zero.data_ptr(), out.data_ptr(), lay_d,
+                                     lay_b, a.data_ptr(), lay_a, beta.data_ptr(), out.data_ptr(), lay_d,
                                      out.data_ptr(), lay_d, ctypes.byref(result), ws.data_ptr(), _WORKSPACE_BYTES,
                                      stream), "cublasLtMatmul")
     return out

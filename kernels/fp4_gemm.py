@@ -662,17 +662,24 @@ def _alpha_of_amax(amax: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 
 def _gemm_alpha_cublas(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | None, out_dtype: torch.dtype,
-                       amax: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                       amax: tuple[torch.Tensor, torch.Tensor] | None,
+                       accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
     """``gemm_alpha_cublas`` without its checks (``alpha`` and ``amax`` as ``_scale_alpha`` takes them).
     CUDA: one cuBLASLt GEMM with alpha read from the device in its epilogue (``kernels/cublaslt.py``);
     fp16 operands into bf16, a pair cuBLASLt does not run, go through its fp32 output and the rounding pass.
-    CPU (the interpreter): the fp32 product, then the Triton alpha pass."""
+    CPU (the interpreter): the fp32 product, then the Triton alpha pass. ``accumulate_into`` (CUDA, a
+    contiguous [M, N] tensor of ``out_dtype``): the product is added into it in the GEMM's epilogue
+    (``matmul_device_alpha(..., accumulate=True)``) and it is returned."""
     if a.is_cuda:
         if amax is not None:
             alpha = _alpha_of_amax(amax)
+        if accumulate_into is not None:
+            return matmul_device_alpha(a, b, alpha, out_dtype, out=accumulate_into, accumulate=True)
         if supported_dtypes(a.dtype, out_dtype):
             return matmul_device_alpha(a, b, alpha, out_dtype)
         return _scale_alpha(matmul_device_alpha(a, b, alpha, torch.float32), None, out_dtype, None)
+    if accumulate_into is not None:
+        raise ValueError("accumulate_into: the GEMM adds into a tensor in cuBLASLt's epilogue, on CUDA only")
     acc = a.float() @ b.float().t()
     return _scale_alpha(acc, alpha, out_dtype, amax)
 
@@ -692,14 +699,20 @@ def predequant_fp4_gemm(
     fmt_name: str = "FP4",
     engine: str = "triton",
     amax: tuple[torch.Tensor, torch.Tensor] | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The NVFP4 and MXFP4 GEMMs on operands given as codes and 1-byte scales (``scale_format`` "e4m3" with
     ``block`` 16, or "e8m0" with 32; ``alpha`` a device scalar or None; ``out_dtype`` bf16 or fp32): each
     operand dequantized once to the dot dtype (``q * block_scale``, exact), then ``gemm_alpha_triton``
     (``engine="triton"``) or ``gemm_alpha_cublas`` (``engine="cublas"``). ``dot_dtype`` None: "fp16" for
     the Triton engine, "bf16" for cuBLAS. ``amax=(amax_a, amax_b)`` (NVFP4, engine "cublas", with
-    ``alpha=None``): the dequantize launch forms ``nvfp4_alpha`` from them for the GEMM's epilogue."""
+    ``alpha=None``): the dequantize launch forms ``nvfp4_alpha`` from them for the GEMM's epilogue.
+    ``accumulate_into`` (engine "cublas" on CUDA: a contiguous [M, N] tensor of ``out_dtype``): the GEMM adds its
+    product into that tensor in its epilogue (beta = 1) and returns it (the Wgrad GEMM into fp32 ``main_grad``)."""
     check_gemm_engine(engine)
+    if accumulate_into is not None and (engine != "cublas" or not a_codes.is_cuda):
+        raise ValueError(f"{fmt_name} GEMM: accumulate_into needs engine 'cublas' on CUDA, got engine {engine!r} "
+                         f"on {a_codes.device}")
     if amax is not None and (engine != "cublas" or alpha is not None):
         raise ValueError(f"{fmt_name} GEMM: amax= is for engine 'cublas' without alpha")
     _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name, amax=amax)
@@ -726,5 +739,6 @@ def predequant_fp4_gemm(
     da, db, amax_alpha = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
                                        dtype=_DOT_TORCH[dot_dtype], amax=amax)
     if engine == "cublas":
-        return _gemm_alpha_cublas(da, db, alpha if amax_alpha is None else amax_alpha, out_dtype, None)
+        return _gemm_alpha_cublas(da, db, alpha if amax_alpha is None else amax_alpha, out_dtype, None,
+                                  accumulate_into)
     return gemm_alpha_triton(da, db, alpha, out_dtype, config=config)

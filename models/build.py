@@ -12,9 +12,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.fusion import FusionConfig
 from nvfp4_train.models.hybrid import HybridModel, HybridStack
 from nvfp4_train.models.pattern import HybridPattern
 from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
+from nvfp4_train.mcore_compat.wgrad import install_wgrad_accumulation
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
 __all__ = ["transformer_config", "stage_pattern", "build_model"]
@@ -54,9 +56,17 @@ def transformer_config(
     sequence_parallel: bool = False,
     params_dtype: torch.dtype = torch.bfloat16,
     use_cpu_initialization: bool | None = None,
+    fusion: FusionConfig | None = None,
 ) -> TransformerConfig:
-    """megatron-core's ``TransformerConfig`` for ``model_cfg`` (dropout 0, no fused CUDA-only kernels, no
-    Transformer Engine: our quantized layers replace its linear layers)."""
+    """megatron-core's ``TransformerConfig`` for ``model_cfg`` (dropout 0, no Transformer Engine: our quantized
+    layers replace its linear layers). ``fusion``: the fused kernels to run (``nvfp4_train.models.fusion``), set as
+    megatron's own switches (``apply_rope_fusion``, ``cross_entropy_loss_fusion``, ``gradient_accumulation_fusion``)
+    with our kernels installed behind them; None: none (megatron's unfused paths, e.g. for a model trained without
+    megatron's DDP, whose gradient buffers the fused weight gradient needs)."""
+    fusion = fusion if fusion is not None else FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=False,
+                                                             mamba=False)
+    if fusion.wgrad_accumulation:
+        install_wgrad_accumulation()
     if sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards the sequence over TP)")
     act, gated = _activation(model_cfg.activation)
@@ -86,7 +96,7 @@ def transformer_config(
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=fusion.wgrad_accumulation,
         persist_layer_norm=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -84,7 +84,7 @@ def hybrid_model_provider(cfg, layer_map: LayerPrecisionMap | None = None):
     if layer_map is None:
         layer_map = cfg.precision.layer_map(cfg.model.pattern)
     tcfg = transformer_config(cfg.model, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                              sequence_parallel=cfg.parallel.sequence_parallel)
+                              sequence_parallel=cfg.parallel.sequence_parallel, fusion=cfg.fusion)
 
     def provider(pre_process: bool, post_process: bool):
         return build_model(cfg.model, layer_map, config=tcfg, pre_process=pre_process, post_process=post_process,

@@ -90,6 +90,10 @@ class LinearContext:
     # when set (every N steps), called as telemetry.record(operand_name, source, cast, operand) for each
     # quantized operand (see nvfp4_train.precision.telemetry); None costs nothing
     telemetry: Any = None
+    # megatron's gradient-accumulation fusion (``gradient_accumulation_fusion``, set by the layer at each forward):
+    # where the Wgrad GEMM can add into the weight's fp32 ``main_grad`` in its epilogue, it does so
+    # (``_wgrad_into_main_grad``) and the weight gets megatron's dummy gradient
+    wgrad_fusion: bool = False
 
     def next_seed(self) -> int | torch.Tensor:
         """The ``call_seed`` of the next forward (its backward reuses it). With ``call_counter`` set: the call's
@@ -144,6 +148,8 @@ class QuantLinearFunction(torch.autograd.Function):
         ctx.w_col = w_col
         ctx.weight_dtype = weight.dtype
         ctx.weight_shape = weight.shape
+        # the parameter itself (no copy: backward may add its gradient into the parameter's main_grad)
+        ctx.weight = weight if lctx.wgrad_fusion else None
         lctx.saved_bytes = operand_nbytes(x_col)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -167,14 +173,54 @@ class QuantLinearFunction(torch.autograd.Function):
         if need_dx:
             dx = qgemm(dy_row, ctx.w_col, out_dtype=dy.dtype, engine=recipe.gemm_engine).view(ctx.x_shape)
         if need_dw:
-            dw = qgemm(dy_col, ctx.x_col, out_dtype=ctx.weight_dtype, engine=recipe.gemm_engine)
-            n, k = ctx.weight_shape
-            if dw.shape != (n, k):  # a padded weight: its gradient is the unpadded block
-                dw = dw[:n, :k]
+            if ctx.weight is not None and _wgrad_into_main_grad(dy_col, ctx.x_col, ctx.weight, recipe.gemm_engine):
+                dw = _dummy_wgrad(ctx.weight)
+            else:
+                dw = qgemm(dy_col, ctx.x_col, out_dtype=ctx.weight_dtype, engine=recipe.gemm_engine)
+                n, k = ctx.weight_shape
+                if dw.shape != (n, k):  # a padded weight: its gradient is the unpadded block
+                    dw = dw[:n, :k]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        ctx.x_col = ctx.w_col = None
+        ctx.x_col = ctx.w_col = ctx.weight = None
         return dx, dw, db, None
+
+
+def _wgrad_into_main_grad(a: Operand, b: Operand, weight: torch.Tensor, engine: str) -> bool:
+    """Add the Wgrad GEMM ``a . b^T`` into ``weight.main_grad`` in the GEMM's epilogue when one GEMM can (a CUDA
+    weight with megatron's gradient buffer; bf16 operands, or NVFP4 on the cuBLASLt engine; an unpadded weight);
+    returns whether it did. Otherwise the caller computes the gradient and megatron's DDP hook adds it."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not main_grad.is_cuda or a.format != b.format:
+        return False
+    rows, cols = a.shape[0], b.shape[0]
+    if main_grad.shape != (rows, cols) or not main_grad.is_contiguous():
+        return False  # a padded weight: the product is larger than the gradient
+    if a.format == "bf16":
+        from nvfp4_train.mcore_compat.wgrad import wgrad_accumulate
+
+        wgrad_accumulate(a.data.t(), b.data.t(), main_grad)
+        return True
+    if a.format == "nvfp4":
+        from nvfp4_train.kernels.gemm_engine import resolve_gemm_engine
+
+        if resolve_gemm_engine(engine, main_grad.device) != "cublas" or a.data.swizzled or b.data.swizzled:
+            return False
+        from nvfp4_train.kernels.nvfp4.gemm import nvfp4_gemm_accumulate
+
+        nvfp4_gemm_accumulate(a.data, b.data, main_grad)
+        return True
+    return False
+
+
+def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
+    """What megatron's fused layers return as the weight's gradient once it is in ``main_grad``: an
+    uninitialised tensor of the weight's shape (no kernel) and ``grad_added_to_main_grad`` set, so that the DDP
+    hook drops it instead of adding it (an all-zero one where megatron asks for ``zero_out_wgrad``)."""
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
 
 
 def quantized_linear(

@@ -30,7 +30,11 @@ dims are zero-padded, see ``recipe_padding``).
 
 An all-bf16 recipe runs megatron's original ``_forward_impl`` (bitwise the stock layer). Parameter names and
 state-dict keys are the stock ones: precision is not part of a checkpoint, and :meth:`set_recipe` changes it
-in place (the late switch to bf16, paper App. D). Gradient-accumulation fusion is not supported.
+in place (the late switch to bf16, paper App. D). Gradient-accumulation fusion (megatron's
+``gradient_accumulation_fusion``): a bf16 layer runs megatron's fused path through our cuBLASLt stand-in for
+APEX's extension (``nvfp4_train.mcore_compat.wgrad``); a quantized layer adds its Wgrad GEMM into ``main_grad``
+where one GEMM can (bf16 Wgrad operands, NVFP4 on the cuBLASLt engine; ``nvfp4_train.precision.linear``) and
+otherwise returns the gradient for megatron's DDP hook to add, as without the switch.
 
 Weight quantization: by default every forward re-quantizes the weight (always correct; for M = 8192 tokens
 it costs little next to the GEMMs). :func:`set_weight_cache` lets a layer keep its quantized weight across
@@ -51,6 +55,7 @@ from megatron.core.utils import get_pg_size
 
 from nvfp4_train.kernels.sr_key import ROLE_SLOTS, block_seed, layer_stream
 from nvfp4_train.mcore_compat.linear import forward_impl_kwargs
+from nvfp4_train.mcore_compat.wgrad import install_wgrad_accumulation
 from nvfp4_train.precision.linear import LinearContext, quantized_linear
 from nvfp4_train.precision.recipe import BF16, GEMM_ROLES, QuantRecipe
 from nvfp4_train.precision.telemetry import LayerTelemetry, probe_input_grad
@@ -230,15 +235,6 @@ class _QuantLayer:
         return quantized_linear(x, weight, bias, self.lctx)[..., :n]
 
 
-def _refuse_grad_accum_fusion(config, layer_name: str) -> None:
-    if getattr(config, "gradient_accumulation_fusion", False):
-        raise ValueError(
-            f"layer {layer_name!r}: gradient_accumulation_fusion=True is not supported by the quantized "
-            f"linear layers (their weight gradient is returned as .grad, not accumulated into main_grad): "
-            f"set gradient_accumulation_fusion=False in the model config"
-        )
-
-
 class QuantColumnParallelLinear(_QuantLayer, ColumnParallelLinear):
     """megatron's ColumnParallelLinear (weight [N/tp, K]) with its GEMMs under ``recipe``."""
 
@@ -256,7 +252,8 @@ class QuantColumnParallelLinear(_QuantLayer, ColumnParallelLinear):
         role: str = "",
         **kwargs,
     ):
-        _refuse_grad_accum_fusion(config, layer_name)
+        if getattr(config, "gradient_accumulation_fusion", False):
+            install_wgrad_accumulation()  # megatron's own check at construction needs the stand-in
         ColumnParallelLinear.__init__(self, input_size, output_size, config=config, init_method=init_method,
                                       **kwargs)
         self._init_quant(recipe, layer_name, seed, self.output_size_per_partition, self.input_size, block, role)
@@ -264,7 +261,7 @@ class QuantColumnParallelLinear(_QuantLayer, ColumnParallelLinear):
     def _quantized_forward(self, input, weight, *, bias, gradient_accumulation_fusion, allreduce_dgrad,
                            sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None,
                            tp_group=None):
-        assert not gradient_accumulation_fusion, "refused at construction"
+        self.lctx.wgrad_fusion = bool(gradient_accumulation_fusion)
         group = tp_group if tp_group is not None else self.tp_group
         if sequence_parallel:
             # forward: all-gather the sequence shards; backward: reduce-scatter the input gradient
@@ -294,16 +291,18 @@ class QuantRowParallelLinear(_QuantLayer, RowParallelLinear):
         role: str = "",
         **kwargs,
     ):
-        _refuse_grad_accum_fusion(config, layer_name)
+        if getattr(config, "gradient_accumulation_fusion", False):
+            install_wgrad_accumulation()
         RowParallelLinear.__init__(self, input_size, output_size, config=config, init_method=init_method,
                                    **kwargs)
         self._init_quant(recipe, layer_name, seed, self.output_size, self.input_size_per_partition, block, role)
 
     def _quantized_forward(self, input, weight, *, bias, grad_output_buffer=None, allreduce_dgrad=False,
-                           sequence_parallel=False, **_unused):
+                           sequence_parallel=False, gradient_accumulation_fusion=False, **_unused):
         # megatron calls this with allreduce_dgrad=False, sequence_parallel=False, tp_group=None: the output
         # reduction follows in RowParallelLinear.forward; the amax group is self.tp_group
         assert not allreduce_dgrad and not sequence_parallel
+        self.lctx.wgrad_fusion = bool(gradient_accumulation_fusion)
         return self._quant_gemm(input, weight, bias, grad_output_buffer)
 
 

@@ -9,7 +9,7 @@ import torch
 from nvfp4_train.kernels.fp4_gemm import GemmConfig, check_gemm_engine, predequant_fp4_gemm
 from nvfp4_train.kernels.nvfp4.reference import BLOCK, NVFP4Tensor, nvfp4_alpha
 
-__all__ = ["nvfp4_gemm_predequant"]
+__all__ = ["nvfp4_gemm_predequant", "nvfp4_gemm_accumulate"]
 
 
 def _alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
@@ -41,4 +41,16 @@ def nvfp4_gemm_predequant(
         a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3",
         alpha=None if cublas else _alpha(a, b), out_dtype=out_dtype, dot_dtype=dot_dtype, config=config,
         fmt_name="NVFP4", engine=engine, amax=(a.amax, b.amax) if cublas else None,
+    )
+
+
+def nvfp4_gemm_accumulate(a: NVFP4Tensor, b: NVFP4Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[M, N] += alpha * A[M, K] . B[N, K]^T`` on CUDA (engine "cublas"): the two operands dequantized in one
+    launch (which forms alpha), then one cuBLASLt GEMM that adds ``fl32(alpha * acc)`` into ``out`` (fp32, or
+    bf16/fp16) in its epilogue: the Wgrad GEMM of a quantized layer straight into megatron's ``main_grad``."""
+    if not a.codes.is_cuda:
+        raise ValueError(f"nvfp4_gemm_accumulate runs on CUDA, got operands on {a.codes.device}")
+    return predequant_fp4_gemm(
+        a.codes, a.scales, b.codes, b.scales, block=BLOCK, scale_format="e4m3", alpha=None, out_dtype=out.dtype,
+        dot_dtype=None, fmt_name="NVFP4", engine="cublas", amax=(a.amax, b.amax), accumulate_into=out,
     )

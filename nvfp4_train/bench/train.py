@@ -69,7 +69,9 @@ the engine and replayed when backward ends, so its stack stops at ``loss.backwar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import itertools
 import json
 import statistics
 import tempfile
@@ -198,6 +200,38 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
     return res
 
 
+FUSION_MODES = ("on", "off")
+
+
+def fusion_overrides(mode: str) -> tuple[str, ...]:
+    """The ``train.py`` overrides of ``--fusion`` mode ``mode``: ``on`` is the default config (none), ``off`` every
+    switch of the ``fusion`` section false."""
+    if mode == "on":
+        return ()
+    from nvfp4_train.models.fusion import FusionConfig
+
+    return tuple(f"fusion.{f.name}=false" for f in dataclasses.fields(FusionConfig))
+
+
+def print_fusion_table(rows: list[dict]) -> None:
+    """Each case, CUDA-graph mode and recipe: the fused step against the unfused one of the same run, and the
+    fused step against the unfused BF16 step."""
+    ok = {(r["case"], r["cuda_graph"], r["recipe"], r["fusion"]): r for r in rows if "error" not in r}
+    print()
+    print("| case | cuda_graph | recipe | unfused step (ms) | fused step (ms) | fused / unfused | fused vs unfused bf16 "
+          "| fused MFU | unfused peak GiB | fused peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (case, mode, recipe, fusion), on in ok.items():
+        off = ok.get((case, mode, recipe, "off"))
+        if fusion != "on" or off is None:
+            continue
+        b = ok.get((case, mode, "bf16", "off"))
+        vs = f"{on['step_s'] / b['step_s']:.3f}x" if b else "-"
+        print(f"| {case} | {mode} | {recipe} | {off['step_s'] * 1e3:.1f} | {on['step_s'] * 1e3:.1f} | "
+              f"{on['step_s'] / off['step_s']:.3f}x | {vs} | {100 * on['mfu']:.1f}% | {off['peak_gib']:.1f} | "
+              f"{on['peak_gib']:.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["slice12b", "small", "1.2b"], choices=sorted(CASES))
@@ -225,6 +259,11 @@ def main() -> int:
                          "off: graphed and eager in one run); default auto. Like --cases and --recipes it takes "
                          "every word up to the next option: put trailing KEY=VALUE overrides after another option "
                          "or after --")
+    ap.add_argument("--fusion", nargs="+", default=["on"], choices=FUSION_MODES, metavar="MODE",
+                    help="the fused step kernels (the fusion config section): on (the default config) or off (every "
+                         "fusion.* switch false: the unfused arithmetic); several run each case and recipe under "
+                         "each in this one process (e.g. --fusion off on: before and after), with a table of the "
+                         "fused step against the unfused one")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="train.py overrides applied to every case (after the case's own), e.g. "
                          "optim.overlap_grad_reduce=true")
@@ -237,47 +276,54 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         work = a.work_dir or Path(tmp)
         for case in a.cases:
-            for mode in a.cuda_graph:
+            for mode, fusion in itertools.product(a.cuda_graph, a.fusion):
                 # the case's profile CSVs of each mode apart
-                prof = None if a.profile is None or len(a.cuda_graph) == 1 else a.profile / f"cuda_graph_{mode}"
+                sub = "_".join(([f"cuda_graph_{mode}"] if len(a.cuda_graph) > 1 else [])
+                               + ([f"fusion_{fusion}"] if len(a.fusion) > 1 else []))
+                prof = None if a.profile is None or not sub else a.profile / sub
                 if prof is not None:
                     prof.mkdir(parents=True, exist_ok=True)
                 for recipe in a.recipes:
                     try:
                         r = bench_case(case, recipe, a.warmup, a.iters, work, prof or a.profile, a.sync_debug,
                                        a.grad_accum, a.nonfinite_check,
-                                       (f"schedule.cuda_graph={mode}", *a.overrides))
+                                       (f"schedule.cuda_graph={mode}", *fusion_overrides(fusion), *a.overrides))
                     except Exception as e:  # report and go on: one failing recipe must not hide the others
                         r = dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300])
                     r["cuda_graph"] = mode
+                    r["fusion"] = fusion
                     rows.append(r)
                     print(json.dumps(r), flush=True)
-                    label = f"{case} (cuda_graph={mode})" if len(a.cuda_graph) > 1 else case
+                    label = case + "".join(f" ({k})" for k in (f"cuda_graph={mode}" if len(a.cuda_graph) > 1 else "",
+                                                                   f"fusion={fusion}" if len(a.fusion) > 1 else "") if k)
                     if "profile" in r:
                         print_profile(label, recipe, r["profile"])
                     if "sync_debug" in r:
                         print_sync_debug(label, recipe, r["sync_debug"])
     print()
-    print("| case | cuda_graph | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | logged tokens/s "
+    print("| case | cuda_graph | fusion | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | logged tokens/s "
           "| TFLOP/s | MFU | peak GiB | before step GiB | act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 "
           "| quantized weight copies GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    base = {(r["case"], r["cuda_graph"]): r for r in rows if r["recipe"] == "bf16" and "error" not in r}
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {(r["case"], r["cuda_graph"], r["fusion"]): r for r in rows if r["recipe"] == "bf16" and "error" not in r}
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | {r['cuda_graph']} | {r['recipe']} | error: {r['error'][:120]} ||||||||||")
+            print(f"| {r['case']} | {r['cuda_graph']} | {r['fusion']} | {r['recipe']} | error: {r['error'][:120]} "
+                  f"||||||||||")
             continue
-        b = base.get((r["case"], r["cuda_graph"]))
+        b = base.get((r["case"], r["cuda_graph"], r["fusion"]))
         ratio = f"{r['step_s'] / b['step_s']:.2f}x" if b else "-"
         aratio = f"{r['activation_gib'] / b['activation_gib']:.2f}x" if b and b["activation_gib"] > 0 else "-"
         sratio = (f"{r['saved_gib'] / b['saved_gib']:.2f}x" if b and r["saved_gib"] is not None
                   and (b["saved_gib"] or 0) > 0 else "-")
         saved = "-" if r["saved_gib"] is None else f"{r['saved_gib']:.2f}"
         copies = "-" if r["weight_copies_gib"] is None else f"{r['weight_copies_gib']:.2f}"
-        print(f"| {r['case']} | {r['cuda_graph']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | "
+        print(f"| {r['case']} | {r['cuda_graph']} | {r['fusion']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | "
               f"{r['step_s'] * 1e3:.1f} | {ratio} | {r['tokens_per_s']:,.0f} | {r['logged_tokens_per_s']:,.0f} | "
               f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['base_gib']:.1f} | "
               f"{r['activation_gib']:.1f} | {aratio} | {saved} | {sratio} | {copies} |")
+    if len(a.fusion) > 1:
+        print_fusion_table(rows)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.fusion import FusionConfig
 from nvfp4_train.checkpoint import CheckpointConfig
 from nvfp4_train.config.experiment import ExperimentConfig
 from nvfp4_train.config.precision import PrecisionConfig
@@ -37,6 +38,8 @@ class Config:
     """Linear-layer precision (``configs/precision/``)."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Run length, batch, learning-rate schedule, evaluation cadence (``configs/schedule/``)."""
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    """Fused kernels of the training step (``nvfp4_train.models.fusion``; all on by default)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW, gradient clipping, distributed optimizer (``configs/optim/``)."""
     data: DataConfig = field(default_factory=DataConfig)

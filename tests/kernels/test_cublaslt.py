@@ -106,3 +106,43 @@ def test_argument_errors():
         matmul_device_alpha(a, a, None, torch.bfloat16)
     assert supported_dtypes(torch.bfloat16, torch.float32) and not supported_dtypes(torch.float16, torch.bfloat16)
     assert not supported_dtypes(torch.float32, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_t,b_t", [(False, True), (True, False), (True, True)])
+def test_transposed_views_read_in_place(gen, a_t, b_t):
+    """An operand given as a transposed view (M- or N-contiguous, as ``dy.t()`` and ``x.t()`` reach the Wgrad GEMM)
+    is read in place through cuBLAS's transpose flag: the same bits as the row-major operands."""
+    for M, N, K in ((37, 29, 80), (256, 192, 1024), (8, 520, 64)):
+        a, b = dyadic(gen, M, K, torch.bfloat16), dyadic(gen, N, K, torch.bfloat16)
+        ga = a.t().contiguous().cuda().t() if a_t else a.cuda()
+        gb = b.t().contiguous().cuda().t() if b_t else b.cuda()
+        assert ga.is_contiguous() != a_t and gb.is_contiguous() != b_t
+        alpha = torch.tensor([0.37], device="cuda")
+        for out_dtype in (torch.bfloat16, torch.float32):
+            assert same_bits(matmul_device_alpha(ga, gb, alpha, out_dtype), expected(a, b, 0.37, out_dtype)), (M, N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_adds_into_out(gen, out_dtype):
+    """``accumulate=True``: D = alpha * acc + C in the epilogue. With alpha a power of two (an exact product) and
+    dyadic C (every sum exact in fp32, see dyadic), D is exact whether cuBLASLt rounds once (FMA) or twice; in
+    bf16 the one rounding of that exact fp32 value. Transposed views as the Wgrad GEMM passes them."""
+    for M, N, K in ((37, 29, 80), (300, 520, 4096)):
+        a, b = dyadic(gen, M, K, torch.bfloat16), dyadic(gen, N, K, torch.bfloat16)
+        c = dyadic(gen, M, N, torch.float32)
+        for alpha in (1.0, 0.5, 2.0 ** -10):
+            out = c.to(out_dtype).cuda()
+            al = torch.tensor([alpha], device="cuda")
+            got = matmul_device_alpha(a.t().contiguous().cuda().t(), b.cuda(), al, out_dtype, out=out, accumulate=True)
+            assert got.data_ptr() == out.data_ptr()
+            acc = (a.double() @ b.double().t()) * alpha + c.to(out_dtype).double()
+            assert same_bits(got, acc.float().to(out_dtype)), (M, N, K, alpha)
+
+
+@pytest.mark.gpu
+def test_accumulate_needs_out():
+    a = torch.zeros(2, 4, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="accumulate=True adds into out"):
+        matmul_device_alpha(a, a, None, torch.float32, accumulate=True)

@@ -242,12 +242,42 @@ def test_token_count_checked_at_forward(gen):
         layer(torch.randn(6, 2, 64, generator=gen).bfloat16())
 
 
-def test_gradient_accumulation_fusion_refused():
-    cfg = config(gradient_accumulation_fusion=True)
-    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
-        column(QuantColumnParallelLinear, 64, 32, cfg, layer_name="L")
-    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
-        row(QuantRowParallelLinear, 64, 32, cfg, layer_name="L")
+def _dyadic(gen, *shape) -> torch.Tensor:
+    """Multiples of 1/8 in [-2, 2] (exact in bf16): every product is a multiple of 2^-6 and every sum over the
+    <= 64 tokens below is exact in fp32 and in bf16's range of those values (|sum| <= 256, at most 14 bits)."""
+    return (torch.randint(-16, 17, shape, generator=gen) / 8).bfloat16()
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
+def test_gradient_accumulation_fusion(gen, kind, recipe):
+    """megatron's ``gradient_accumulation_fusion``: a bf16 layer (megatron's own fused path, our stand-in for
+    APEX's kernel) adds dy^T x into the weight's fp32 ``main_grad`` and returns megatron's dummy gradient with
+    ``grad_added_to_main_grad`` set; on CPU a quantized layer keeps returning its gradient (its fused Wgrad is a
+    cuBLASLt epilogue, CUDA only: tests/precision/test_wgrad_fusion_gpu.py). Dyadic inputs make every sum exact,
+    so the accumulated fp32 gradient equals float64's, and a second micro-batch adds to the first."""
+    build = column if kind == "column" else row
+    cls = QuantColumnParallelLinear if kind == "column" else QuantRowParallelLinear
+    layer = build(cls, 64, 32, config(gradient_accumulation_fusion=True), layer_name="L",
+                  recipe=named_recipe(recipe))
+    w = layer.weight
+    with torch.no_grad():
+        w.copy_(_dyadic(gen, *w.shape))
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    expected = torch.zeros(w.shape, dtype=torch.float64)
+    for _ in range(2):
+        w.grad_added_to_main_grad = False
+        x, dy = _dyadic(gen, 16, 2, 64), _dyadic(gen, 16, 2, 32)
+        y, _ = layer(x)
+        y.backward(dy)
+        if recipe == "bf16":
+            expected += dy.reshape(-1, 32).double().t() @ x.reshape(-1, 64).double()
+            assert w.grad_added_to_main_grad and w.grad.shape == w.shape
+            assert torch.equal(w.main_grad, expected.float())
+        else:
+            assert not w.grad_added_to_main_grad and w.grad is not None
+            assert not w.main_grad.any()
+        w.grad = None
 
 
 def _sr_violations(recipe, gen, samples: int, bound_samples: int) -> float:

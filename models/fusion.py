@@ -1,0 +1,44 @@
+"""Which fused kernels the model's step runs (the ``fusion`` config section).
+
+Each switch names one fusion of the step's non-GEMM work; the unfused arithmetic stays the reference it is
+tested against. Three of them are megatron-core's own ``TransformerConfig`` switches, which the model builder
+sets from here (``nvfp4_train.models.build.transformer_config``); megatron's code paths then call our kernels
+(``nvfp4_train.mcore_compat.fusions``):
+
+==========================  ==================================  ============================================
+field                       megatron-core's switch              what runs instead of the unfused ops
+==========================  ==================================  ============================================
+``rope``                    ``apply_rope_fusion``               one kernel per direction applies the rotary
+                                                                embedding (no concatenations); bitwise the
+                                                                unfused bf16 arithmetic
+``cross_entropy``           ``cross_entropy_loss_fusion``       vocab-parallel cross-entropy that reads the
+                                                                bf16 logits once per direction (fp32 math)
+``wgrad_accumulation``      ``gradient_accumulation_fusion``    each weight gradient GEMM adds into the fp32
+                                                                ``main_grad`` in its epilogue (beta = 1)
+``mamba``                   --                                  Mamba-2's conv + scan + gated norm through
+                                                                mamba-ssm's fused training op (CUDA)
+==========================  ==================================  ============================================
+
+``docs/numerics.md`` ("Fused step") states each fusion's arithmetic against the unfused path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FusionConfig"]
+
+
+@dataclass(kw_only=True)
+class FusionConfig:
+    """Fused kernels of the training step (the ``fusion`` section). Each is on by default; ``false`` runs the
+    unfused reference arithmetic (for numerics comparisons and benchmarks)."""
+
+    rope: bool = True
+    """Rotary embedding in one kernel per direction (bitwise the unfused arithmetic)."""
+    cross_entropy: bool = True
+    """Vocab-parallel cross-entropy over the bf16 logits in fp32, the logits read once per direction."""
+    wgrad_accumulation: bool = True
+    """Weight-gradient GEMMs accumulate into the fp32 ``main_grad`` (no bf16 weight gradient, no extra add)."""
+    mamba: bool = True
+    """Mamba-2's conv + scan + gated norm as mamba-ssm's one fused training op (CUDA with causal-conv1d)."""
