@@ -16,6 +16,7 @@ from nvfp4_train.models.fusion import FusionConfig
 from nvfp4_train.models.hybrid import HybridModel, HybridStack
 from nvfp4_train.models.pattern import HybridPattern
 from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
+from nvfp4_train.mcore_compat.rope import install_fused_rope
 from nvfp4_train.mcore_compat.wgrad import install_wgrad_accumulation
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
@@ -67,6 +68,8 @@ def transformer_config(
                                                              mamba=False)
     if fusion.wgrad_accumulation:
         install_wgrad_accumulation()
+    if fusion.rope and model_cfg.position_embedding == "rope":
+        install_fused_rope()  # before TransformerConfig: its validation refuses apply_rope_fusion without a kernel
     if sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards the sequence over TP)")
     act, gated = _activation(model_cfg.activation)
@@ -95,7 +98,8 @@ def transformer_config(
         attention_dropout=0.0,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fusion.rope and model_cfg.position_embedding == "rope",
+        cross_entropy_loss_fusion=fusion.cross_entropy,  # HybridModel.compute_language_model_loss: our kernel
         gradient_accumulation_fusion=fusion.wgrad_accumulation,
         persist_layer_norm=False,
         tensor_model_parallel_size=tp,
@@ -127,11 +131,14 @@ def build_model(
     seed: int = 0,
     seq_length: int = 4096,
     pg_collection: ProcessGroupCollection | None = None,
+    fusion: FusionConfig | None = None,
 ) -> HybridModel:
     """The model of this rank's pipeline stage (megatron's parallel state must be initialised).
 
     ``layer_map`` must be resolved for ``model_cfg.pattern``; ``seed`` seeds the stochastic-rounding streams of
-    the quantized layers (weights are initialised from the RNG state at call time, as megatron does).
+    the quantized layers (weights are initialised from the RNG state at call time, as megatron does). ``fusion``:
+    the fusions the model builds in (``fusion.mamba``: the Mamba mixers' fused op; the others are ``config``'s
+    megatron switches, see :func:`transformer_config`); None: none.
     """
     if layer_map.num_blocks != model_cfg.num_layers:
         raise ValueError(f"layer precision map covers {layer_map.num_blocks} blocks, model has {model_cfg.num_layers}")
@@ -139,7 +146,7 @@ def build_model(
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pattern = stage_pattern(model_cfg, config.pipeline_model_parallel_size)
     stack = ModuleSpec(module=HybridStack, params=dict(model_cfg=model_cfg, layer_map=layer_map, pattern=pattern,
-                                                       seed=seed))
+                                                       seed=seed, fused_mamba=bool(fusion and fusion.mamba)))
     model = HybridModel(
         config=config,
         mamba_stack_spec=stack,

@@ -15,8 +15,10 @@ field                       megatron-core's switch              what runs instea
                                                                 bf16 logits once per direction (fp32 math)
 ``wgrad_accumulation``      ``gradient_accumulation_fusion``    each weight gradient GEMM adds into the fp32
                                                                 ``main_grad`` in its epilogue (beta = 1)
-``mamba``                   --                                  Mamba-2's conv + scan + gated norm through
-                                                                mamba-ssm's fused training op (CUDA)
+``mamba``                   --                                  Mamba-2's conv + scan + gated norm as one
+                                                                autograd op of mamba-ssm's and causal-conv1d's
+                                                                kernels in megatron's sequence-first layout
+                                                                (CUDA; ``models/mamba/ops.py``)
 ==========================  ==================================  ============================================
 
 ``docs/numerics.md`` ("Fused step") states each fusion's arithmetic against the unfused path.
@@ -41,4 +43,4 @@ class FusionConfig:
     wgrad_accumulation: bool = True
     """Weight-gradient GEMMs accumulate into the fp32 ``main_grad`` (no bf16 weight gradient, no extra add)."""
     mamba: bool = True
-    """Mamba-2's conv + scan + gated norm as mamba-ssm's one fused training op (CUDA with causal-conv1d)."""
+    """Mamba-2's conv + scan + gated norm as one op of mamba-ssm's and causal-conv1d's kernels (CUDA)."""

@@ -35,6 +35,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from nvfp4_train.kernels._dispatch import use_triton
+from nvfp4_train.kernels.fused.cross_entropy import vocab_parallel_cross_entropy
 from nvfp4_train.kernels.sr_key import ROLE_SLOTS, block_seed
 from nvfp4_train.models.config import ModelConfig
 from nvfp4_train.models.attention import SDPAttention
@@ -46,8 +48,10 @@ from nvfp4_train.precision.layer_map import LayerPrecisionMap
 __all__ = ["block_spec", "HybridStack", "HybridModel"]
 
 
-def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPrecisionMap, seed: int = 0) -> ModuleSpec:
-    """The ``ModuleSpec`` of global block ``block`` of ``kind``, its linear layers' recipes resolved."""
+def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPrecisionMap, seed: int = 0,
+               fused_mamba: bool = False) -> ModuleSpec:
+    """The ``ModuleSpec`` of global block ``block`` of ``kind``, its linear layers' recipes resolved.
+    ``fused_mamba``: a Mamba mixer's conv + scan + gated norm as one op on CUDA (``fusion.mamba``)."""
 
     def lin(kind_: str, role: str) -> ModuleSpec:
         # the stochastic-rounding seed of this layer: kernels/sr_key.py (one key function for the run)
@@ -80,7 +84,7 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
                 num_heads=model_cfg.mamba_num_heads, head_dim=model_cfg.mamba_head_dim,
                 num_groups=model_cfg.mamba_num_groups, state_dim=model_cfg.mamba_state_dim,
                 conv_kernel=model_cfg.mamba_conv_kernel, conv_bias=model_cfg.mamba_conv_bias,
-                chunk_size=model_cfg.mamba_chunk_size, norm_epsilon=model_cfg.norm_epsilon,
+                chunk_size=model_cfg.mamba_chunk_size, norm_epsilon=model_cfg.norm_epsilon, fused=fused_mamba,
             ),
             submodules=MambaMixerSubmodules(in_proj=lin("column", "mamba.in_proj"),
                                             out_proj=lin("row", "mamba.out_proj")),
@@ -104,6 +108,7 @@ class HybridStack(MegatronModule):
         layer_map: LayerPrecisionMap,
         pattern: HybridPattern,
         seed: int = 0,
+        fused_mamba: bool = False,
         pre_process: bool = True,
         post_process: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
@@ -120,7 +125,7 @@ class HybridStack(MegatronModule):
         self.offset = pattern.stage_offsets[stage]
         self.block_kinds = pattern.stages[stage]
         self.layers = torch.nn.ModuleList(
-            build_module(block_spec(kind, self.offset + i, model_cfg, layer_map, seed), config=config,
+            build_module(block_spec(kind, self.offset + i, model_cfg, layer_map, seed, fused_mamba), config=config,
                          layer_number=i + 1, pg_collection=pg_collection)
             for i, kind in enumerate(self.block_kinds)
         )
@@ -166,6 +171,23 @@ class HybridModel(MambaModel):
         for name, module in self.named_modules():
             if hasattr(module, "set_recipe") and hasattr(module, "layer_name"):
                 yield name, module
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] fp32 of labels [b, s] and this rank's logits [s, b, V_local] (megatron-core's
+        signature, 0.16 to 0.19). With ``config.cross_entropy_loss_fusion`` and logits its Triton kernels take
+        (CUDA; CPU under ``TRITON_INTERPRET=1``): the fused vocab-parallel cross-entropy
+        (``nvfp4_train.kernels.fused.cross_entropy``) over the logits in their own dtype, on the model's TP group;
+        otherwise megatron-core's own loss (on a CPU the fused kernel's blocked reference would be ~4x slower than
+        megatron's vectorised torch ops, and it computes the same loss within the bound of
+        ``tests/kernels/test_cross_entropy.py``)."""
+        if not self.config.cross_entropy_loss_fusion or not use_triton(logits):
+            return super().compute_language_model_loss(labels, logits)
+        labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b], as megatron-core
+        # The gradient overwrites the logits (no second [s, b, V_local] buffer): safe because nothing reads
+        # them after this loss's backward: the output layer saves its input and weight, not its output, and the
+        # model returns the loss, not the logits. (A later read by autograd raises: the version is bumped.)
+        loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group, inplace_backward=True)
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
 
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward) of the whole model, all stages."""

@@ -20,18 +20,18 @@ several micro-batches per step the last call's numbers are kept.
 
 Non-finite tracking (on by default, :func:`set_nonfinite_check`): every layer checks its forward output and
 the gradient of its input and keeps, on the device, the time (a global call counter) of its first non-finite
-value. A check is 4 kernel launches: the max-reduction max|t| (NaN or +inf exactly when t holds a NaN or
-±inf), then on the 0-d result ``prev + 0·max|t|`` (NaN exactly when t is not finite, float64 by type
-promotion, so times stay exact), ``nan_to_num`` (NaN -> the current time) and a ``minimum`` with the time
-kept so far; the first check after a reset fills a fresh time instead of the ``minimum``. (Before: 10, the
-``isfinite``/``where`` formulation; counted on CPU as ``scripts/launch_inventory.py`` counts, views excluded.)
-An empty tensor counts as finite and launches nothing.
+value: ``kept = min(kept, now if t holds a NaN/±Inf else never)``, a float64 0-d tensor, no host sync. On a CUDA
+tensor (and on CPU under ``TRITON_INTERPRET=1``) a check is ONE launch of the kernel
+``nvfp4_train.kernels.fused.nonfinite``: it reads t once and the last of its programs updates the kept time in
+place (each layer keeps a small int32 counter for it). Elsewhere (CPU) it is the kernel's reference
+(``nonfinite_reference.py``): 4 torch launches, max|t| then three on the 0-d result (before: 10, the
+``isfinite``/``where`` formulation). An empty tensor counts as finite and launches nothing.
 Under CUDA graphs (``nvfp4_train.cuda_graph``) the time cannot be a host int (a captured graph would replay the
 same value): :func:`set_device_clock` gives the layers of a model one shared 0-d float64 device counter, which
-every check advances in place, and each layer keeps its first times in two persistent 0-d tensors updated in
-place (``minimum(kept, where(finite, never, clock))``, 5 launches, all captured); reset fills them with "never".
-The times are then the model's own count instead of the global one: the same order, so the same answers.
-No host sync happens until
+every check advances by one in place (the kernel: its last program; the reference: ``clock += 1``, then
+``minimum(kept, where(finite, never, clock))``, 5 launches), and each layer keeps its first times in two
+persistent 0-d tensors updated in place; reset fills them with "never". The times are then the model's own
+count instead of the global one: the same order, so the same answers. No host sync happens until
 :func:`first_nonfinite_layer` is asked: it names the layer that went non-finite first, in forward or
 backward. :func:`reset_nonfinite` clears it.
 
@@ -45,6 +45,14 @@ import itertools
 
 import torch
 
+from nvfp4_train.kernels.fused.nonfinite import (
+    NEVER,
+    kernel_takes,
+    track_nonfinite_clocked_ref,
+    track_nonfinite_clocked_triton,
+    track_nonfinite_ref,
+    track_nonfinite_triton,
+)
 from nvfp4_train.precision.operand import Operand
 from nvfp4_train.precision.recipe import OperandCast
 
@@ -65,9 +73,8 @@ __all__ = [
 OPERAND_NAMES = ("fprop.x", "fprop.W", "dgrad.dy", "wgrad.x_col", "wgrad.dy_col")
 STAT_NAMES = ("zero", "saturated", "sqnr_db")
 
-_NEVER = 2**62  # the "no non-finite value seen" time
+_NEVER = NEVER  # the "no non-finite value seen" time
 _NEVER_F = float(_NEVER)
-_INF = float("inf")
 _clock = itertools.count()  # one global order of forward and backward calls, across layers
 
 
@@ -133,6 +140,8 @@ class LayerTelemetry:
         self.forward_bad: torch.Tensor | None = None  # float64 0-d: clock time of the first non-finite output
         self.backward_bad: torch.Tensor | None = None  # ... of the first non-finite input gradient
         self.clock: torch.Tensor | None = None  # the device clock (set_device_clock); None: the host clock
+        # the check kernel's counters of finished programs (forward, backward), int32 [1] each, zero between checks
+        self._arrivals: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_device_clock(self, clock: torch.Tensor | None) -> None:
         """Time the non-finite checks by ``clock`` (a 0-d float64 device tensor shared by a model's layers,
@@ -143,6 +152,14 @@ class LayerTelemetry:
         if clock is not None:
             self.forward_bad = torch.full((), _NEVER_F, dtype=torch.float64, device=clock.device)
             self.backward_bad = torch.full((), _NEVER_F, dtype=torch.float64, device=clock.device)
+            self._counters(clock.device)  # now, not inside a graph capture
+
+    def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self._arrivals
+        if a is None or a[0].device != device:
+            buf = torch.zeros(2, dtype=torch.int32, device=device)
+            a = self._arrivals = (buf[0:1], buf[1:2])
+        return a
 
     # -- telemetry: called by QuantLinearFunction through LinearContext.telemetry
     def record(self, name: str, source: torch.Tensor, cast: OperandCast, op: Operand | None) -> None:
@@ -154,44 +171,31 @@ class LayerTelemetry:
         self.stats.clear()
 
     # -- non-finite tracking
-    @staticmethod
-    def _first_bad(prev: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor | None:
-        """min(prev, now if t has a NaN/±inf else _NEVER) as a float64 0-d tensor, in 4 kernel launches and no
-        host sync (see the module docstring); ``now`` is the next clock time, taken by every call."""
-        now = next(_clock)
-        if t.numel() == 0:  # nothing to check (and max|t| has no identity): finite
-            return prev
-        # max |t| (in t's dtype, no copy of t) is NaN or +inf exactly when t holds a NaN or ±inf; detached (one
-        # more op) only when t is in a graph: an input gradient usually is not
-        amax = torch.linalg.vector_norm(t.detach() if t.requires_grad else t, _INF)
-        base = torch.full((), _NEVER_F, dtype=torch.float64, device=t.device) if prev is None else prev
-        # base + 0·amax: base when t is finite, NaN when not (0·inf and 0·NaN are NaN); float64 by promotion
-        hit = torch.nan_to_num(torch.add(base, amax, alpha=0), nan=float(now))  # base, or now when not finite
-        return hit if prev is None else torch.minimum(prev, hit)
-
-    def _first_bad_device(self, kept: torch.Tensor, t: torch.Tensor) -> None:
-        """``kept = min(kept, clock if t has a NaN/±inf else never)`` in place, the clock advanced first: every
-        launch reads and writes device memory only (graph-safe)."""
-        self.clock.add_(1.0)
-        if t.numel() == 0:
-            return
-        amax = torch.linalg.vector_norm(t.detach() if t.requires_grad else t, _INF)
-        hit = torch.where(torch.isfinite(amax), _NEVER_F, self.clock)
-        torch.minimum(kept, hit, out=kept)
+    def _check(self, kept: torch.Tensor | None, t: torch.Tensor, direction: int) -> torch.Tensor | None:
+        """``kept`` after checking ``t`` (updated in place, or a new tensor for None with the host clock): the
+        kernel where it takes t, else the reference; ``now`` (host clock) is taken by every call. ``direction``:
+        0 forward (the output), 1 backward (the input gradient), each with its own kernel counter."""
+        clock = self.clock
+        if clock is None:
+            now = next(_clock)
+            if t.numel() == 0:  # nothing to check: finite
+                return kept
+            if kernel_takes(t):
+                return track_nonfinite_triton(kept, t, now, self._counters(t.device)[direction])
+            return track_nonfinite_ref(kept, t, now)
+        if t.numel() and kernel_takes(t):
+            track_nonfinite_clocked_triton(kept, t, clock, self._counters(t.device)[direction])
+        else:
+            track_nonfinite_clocked_ref(kept, t, clock)
+        return kept
 
     def check_output(self, y: torch.Tensor) -> None:
         if self.check_nonfinite:
-            if self.clock is not None:
-                self._first_bad_device(self.forward_bad, y)
-            else:
-                self.forward_bad = self._first_bad(self.forward_bad, y)
+            self.forward_bad = self._check(self.forward_bad, y, 0)
 
     def check_input_grad(self, g: torch.Tensor) -> None:
         if self.check_nonfinite:
-            if self.clock is not None:
-                self._first_bad_device(self.backward_bad, g)
-            else:
-                self.backward_bad = self._first_bad(self.backward_bad, g)
+            self.backward_bad = self._check(self.backward_bad, g, 1)
 
     def reset_nonfinite(self) -> None:
         if self.clock is not None:  # the persistent tensors a captured graph writes

@@ -51,10 +51,11 @@ def test_bench_train_quick(script_runs):
     rows = json.loads((tmp_path / "quick.json").read_text())
     assert [(r["recipe"], r["cuda_graph"]) for r in rows] == [("bf16", "off"), ("nvfp4", "off")]
     assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["logged_tokens_per_s"] > 0 for r in rows)
-    assert "| tiny | off | nvfp4 |" in p.stdout
+    assert "| tiny | off | on | nvfp4 |" in p.stdout and all(r["fusion"] == "on" for r in rows)
     assert all(r["nonfinite_check"] == "every_step" and r["nonfinite_checked_layers"] > 0 for r in rows)
     cfg = (tmp_path / "work" / "tiny_nvfp4" / "config.yaml").read_text()  # the trainer's own run directory
     assert "seed: 7" in cfg and "nvfp4" in cfg and "cuda_graph: 'off'" in cfg
+    assert "fusion:\n  rope: true\n  cross_entropy: true\n  wgrad_accumulation: true\n  mamba: true" in cfg
 
 
 def test_bench_train_grad_accum_counts_every_micro_batch(script_runs):
@@ -306,7 +307,7 @@ def test_bench_host_prints_its_fields(tmp_path):
                                                          ("nvfp4", "checked"), ("bf16", "checked")]
     nv = rows[0]
     assert nv["host_us"] > 0 and nv["aten_ops"] > 0 and nv["triton"]["_quantize_grouped_kernel"] == 2
-    assert nv["launches"] == 12 and rows[2]["launches"] == 12 + 8  # the non-finite check: 4 launches, twice
+    assert nv["launches"] == 12 and rows[2]["launches"] == 12 + 2  # the non-finite check: one launch, twice
     assert "mm" in nv["torch_kernels"] and "_to_copy" in nv["interpreter_only"]
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.precision.mcore_util import init_gloo_rank, spawn_ranks
 
-MODULES = ("tests.precision.test_linear_dist", "tests.trainer.test_clip")
+MODULES = ("tests.precision.test_linear_dist", "tests.trainer.test_clip", "tests.kernels.test_cross_entropy_dist")
 
 _out: Path | None = None
 

@@ -8,9 +8,12 @@ package, one module per concern, each function naming the release it is for:
     cuda_on_cpu      megatron-core's hard-coded CUDA calls, made to run on a machine without CUDA (all releases)
     transformer      ``TransformerConfig`` fields renamed between releases
     linear           the arguments megatron passes to a linear layer's ``_forward_impl``
-    optimizer        the gradients of the norm (renamed in 0.19), the Adam ``step`` of the distributed optimizer
-                     on load (0.16.1 ... 0.19.2)
+    optimizer        the gradients of the norm (renamed in 0.19), the inner AdamW's fused form and the Adam
+                     ``step`` of the distributed optimizer on load (0.16.1 ... 0.19.2)
     dist_ckpt        the dist-checkpoint writer's results queue (a module global of every release)
+    rope             megatron's ``apply_rope_fusion`` served by our fused rotary embedding (0.16.1 ... 0.19.x)
+    wgrad            megatron's ``gradient_accumulation_fusion`` without APEX: the Wgrad GEMM adds into
+                     ``main_grad`` in cuBLASLt's epilogue (0.16.1 ... 0.19.x)
     jit              ``megatron.core.jit``, its fused helpers compiled at their first call rather than at import
                      (installed by ``nvfp4_train/__init__.py``; 0.16.1 ... 0.19.x)
 

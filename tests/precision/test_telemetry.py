@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -240,6 +241,9 @@ def _tensor(kind, dtype, shape, gen):
     return t
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="counts the torch formulation; under TRITON_INTERPRET=1 the check is the Triton kernel, "
+                           "whose single launch tests/precision/test_nonfinite_kernel.py counts")
 def test_nonfinite_check_launches_four_kernels_and_never_syncs():
     tel = LayerTelemetry()
     x = torch.randn(16, 8).bfloat16()

@@ -1,0 +1,1 @@
+"""Fused elementwise kernels of the training step, each beside its pure-PyTorch reference."""

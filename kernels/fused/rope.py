@@ -1,0 +1,285 @@
+"""The rotary embedding in one Triton kernel per direction, bitwise megatron-core's unfused arithmetic.
+
+``apply_rope(t, freqs)`` computes ``rope_reference.apply_rope_ref(t, freqs)`` (the arithmetic and its
+derivation, forward and backward, are in ``rope_reference.py``) as an autograd op of one launch forward and
+one launch backward, where megatron's unfused path runs 6 elementwise launches over t each way (neg, cat, two
+products, add, cat) plus the small ones that make its cos/sin tables.
+
+Layout. t is megatron's [s, b, h, d] with any strides (q, k and v are views of the fused qkv projection's
+output); the output, and the gradient w.r.t. t, are fresh contiguous [s, b, h, d] tensors. A row is one head
+vector (position ``i``, ``r = b_idx * h + h_idx``); a program owns ``BLOCK_S`` positions x ``BLOCK_R`` of their
+b*h rows and loads each row as its two halves ``x_lo = x[:half]``, ``x_hi = x[half:rot]`` ([BLOCK_S, BLOCK_R,
+BLOCK_H] tiles, so that rotate_half is a choice of operand, not a data movement) and its pass-through tail.
+The tables ``cos_`` and ``sin_`` ([s, rot] in t's dtype, computed by torch exactly as megatron does, so that no
+transcendental function of the kernel has to match torch's) are loaded once per program and position, as four
+half-rows broadcast over the rows. Per element, in fp32, R rounding to t's dtype:
+
+    forward   lo = R(R(x_lo * c_lo) - R(x_hi * s_lo))      hi = R(R(x_hi * c_hi) + R(x_lo * s_hi))
+    backward  lo = Z(R(R(g_lo * c_lo) + R(g_hi * s_hi)))  hi = Z(R(R(g_hi * c_hi) - R(g_lo * s_lo)))
+    tail      forward: copied bits; backward: Z(g)         (Z: -0 -> +0, as autograd's zero-filled slices give)
+
+(``R(-x * s) = -R(x * s)``: the rounding is symmetric.) R for bf16: the GPU's paired RNE conversion
+(cvt.rn.bf16x2.f32; the last one's bf16 pair is stored as it is), the bit arithmetic of
+``kernels/fp4_triton.py`` under the interpreter (whose own bf16 conversion differs); bf16 is read through its
+bits (exact, subnormals included). fp16: the RNE cast (the compiler turns cast-multiply-cast into the GPU's
+fp16 multiply and add, the same bits: the fp32 product is exact, and fp32 has the 2p + 2 = 24 bits that make
+the double rounding of a sum innocuous). fp32: R is the identity, and the launch sets
+``enable_fp_fusion=False`` so that no product is contracted into the following add (megatron rounds each
+product on its own). Static count on sm_90 (``nvfp4_train/bench/sass.py``, q's tile of 32 x 128 elements,
+4 warps): 16 SASS instructions per element forward, 18 backward (bf16), about half of the issue rate the
+copy bandwidth asks for, so the kernels should be bound by memory.
+
+The tables are cached on the ``freqs`` tensor itself (megatron's ``RotaryEmbedding.forward`` is an
+``lru_cache``: every layer and every step gets the same freqs object), keyed by dtype and freqs' version
+counter, so a step computes no cos/sin at all. The cache lives exactly as long as freqs does, which a captured
+CUDA graph relies on already (megatron's unfused path reads freqs from inside the graph): a graph captured after
+an eager step reads the cached tables; nothing is cached during a capture (a table computed there is the
+graph's own and holds no values until it is replayed).
+
+Bytes and time (prediction). Each direction reads t (or g) once and writes the result once, 4 bytes per
+bf16 element, plus the tables (4 * rot bytes per position, read by the programs of a position, mostly from
+L2). The ``1.2b`` model (bf16, s = 4096, micro-batch 2, 16 query heads and 8 KV groups of 128):
+
+    q  [4096, 2, 16, 128]  16.8 MB in + 16.8 MB out  -> 8.4 us at ~4 TB/s
+    k  [4096, 2, 8, 128]    8.4 MB in +  8.4 MB out  -> 4.2 us         (+ 2.1 MB of tables per launch)
+    one attention block, one direction: 50.3 MB -> 12.6 us
+    per step (20 blocks x forward + backward x 4 micro-batches): 8.05 GB in 320 launches -> 2.0 ms
+
+against megatron's unfused path, which moves ~6x those bytes forward (12 element reads and writes per element
+of t: 24 bytes against our 4) and more backward (zero-filled slice gradients and their sums).
+
+The kernels run where ``nvfp4_train.kernels._dispatch.use_triton(t)`` (CUDA tensors; CPU under
+``TRITON_INTERPRET=1``), the reference otherwise; both give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nvfp4_train.kernels._dispatch import use_triton
+from nvfp4_train.kernels.fp4_triton import cdiv, round_to_bf16, round_to_bf16_x2
+from nvfp4_train.kernels.fused.rope_reference import (
+    apply_rope_ref,
+    check_rope_input,
+    rope_backward_ref,
+    rope_forward_ref,
+    rope_tables_ref,
+)
+
+__all__ = [
+    "apply_rope",
+    "apply_rope_ref",
+    "rope_tables",
+    "rope_forward_triton",
+    "rope_backward_triton",
+    "rope_forward_ref",
+    "rope_backward_ref",
+    "rope_tables_ref",
+]
+
+# elements of one program's [BLOCK_S, BLOCK_R, BLOCK_H] half-tile (at least 64: two per thread of one warp); the
+# interpreter pays per operation, not per element, so it takes the whole test tensor in a few programs
+TILE = 2048
+TILE_INTERPRETER = 1 << 15
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _load_f32(ptrs, mask, KIND: tl.constexpr):
+    """fp32 values of fp32 (KIND 0), bf16 passed as int16 bits (1) or fp16 (2): exact."""
+    if KIND == 1:
+        raw = tl.load(ptrs, mask=mask, other=0)
+        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _round(y, KIND: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 ``y`` rounded (nearest-even) to the element type, returned as fp32."""
+    if KIND == 1:
+        if NATIVE:
+            return round_to_bf16_x2(y, True, True)
+        else:
+            return round_to_bf16(y)
+    elif KIND == 2:
+        return y.to(tl.float16).to(tl.float32)
+    else:
+        return y
+
+
+@triton.jit
+def _round_store(ptrs, y, mask, KIND: tl.constexpr, NATIVE: tl.constexpr):
+    """Round fp32 ``y`` (nearest-even) to the element type and store it (bf16 as int16 bits). On the GPU the
+    paired conversion's bf16 result is stored as it is (its bits), with no round trip through fp32."""
+    if KIND == 1:
+        if NATIVE:
+            b = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [y], dtype=tl.bfloat16,
+                                          is_pure=True, pack=2)
+            tl.store(ptrs, b.to(tl.int16, bitcast=True), mask=mask)
+        else:
+            r = round_to_bf16(y)
+            tl.store(ptrs, (r.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    elif KIND == 2:
+        tl.store(ptrs, y.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptrs, y, mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, S, B, H, stride_s, stride_b, stride_h, stride_d,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr, KIND: tl.constexpr, NATIVE: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    """Positions [program_id(0) * BLOCK_S, +BLOCK_S) x head vectors [program_id(1) * BLOCK_R, +BLOCK_R) of
+    their B*H of x (strided) -> the contiguous out [S, B, H, D]; tiles [BLOCK_S, BLOCK_R, BLOCK_H].
+    BACKWARD: x is the output gradient (module docstring)."""
+    ROT: tl.constexpr = 2 * HALF
+    PASS: tl.constexpr = D - ROT
+    pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    smask = pos < S
+    pos = pos.to(tl.int64)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # b_idx * H + h_idx (int32: B * H is small)
+    rmask = r < B * H
+    row = (r // H).to(tl.int64) * stride_b + (r % H).to(tl.int64) * stride_h
+    row_in = (pos * stride_s)[:, None] + row[None, :]  # [BLOCK_S, BLOCK_R] element offsets into x
+    row_out = (pos[:, None] * (B * H) + r[None, :]) * D
+    row_mask = smask[:, None] & rmask[None, :]
+
+    k = tl.arange(0, BLOCK_H)
+    kmask = k < HALF
+    m = row_mask[:, :, None] & kmask[None, None, :]
+    lo_ptrs = x_ptr + row_in[:, :, None] + (k * stride_d)[None, None, :]
+    a_lo = _load_f32(lo_ptrs, m, KIND)
+    a_hi = _load_f32(lo_ptrs + HALF * stride_d, m, KIND)
+    # the tables of each position, once per program, broadcast over its rows
+    tab = (pos * ROT)[:, None] + k[None, :]
+    tmask = smask[:, None] & kmask[None, :]
+    c_lo = _load_f32(cos_ptr + tab, tmask, KIND)[:, None, :]
+    c_hi = _load_f32(cos_ptr + tab + HALF, tmask, KIND)[:, None, :]
+    s_lo = _load_f32(sin_ptr + tab, tmask, KIND)[:, None, :]
+    s_hi = _load_f32(sin_ptr + tab + HALF, tmask, KIND)[:, None, :]
+    # lo, hi: the fp32 sums before their last rounding (done by the store)
+    if BACKWARD:
+        lo = _round(a_lo * c_lo, KIND, NATIVE) + _round(a_hi * s_hi, KIND, NATIVE)
+        hi = _round(a_hi * c_hi, KIND, NATIVE) - _round(a_lo * s_lo, KIND, NATIVE)
+        # Z before the rounding is Z after it: a non-zero sum of two values of the element type is at least its
+        # smallest subnormal in magnitude, so it never rounds to zero
+        lo = tl.where(lo == 0.0, 0.0, lo)
+        hi = tl.where(hi == 0.0, 0.0, hi)
+    else:
+        lo = _round(a_lo * c_lo, KIND, NATIVE) - _round(a_hi * s_lo, KIND, NATIVE)
+        hi = _round(a_hi * c_hi, KIND, NATIVE) + _round(a_lo * s_hi, KIND, NATIVE)
+    out_ptrs = out_ptr + row_out[:, :, None] + k[None, None, :]
+    _round_store(out_ptrs, lo, m, KIND, NATIVE)
+    _round_store(out_ptrs + HALF, hi, m, KIND, NATIVE)
+
+    if PASS > 0:
+        p = tl.arange(0, BLOCK_P)
+        pm = row_mask[:, :, None] & (p < PASS)[None, None, :]
+        v = tl.load(x_ptr + row_in[:, :, None] + ((ROT + p) * stride_d)[None, None, :], mask=pm)
+        if BACKWARD:
+            if KIND == 1:
+                v = tl.where(v == -32768, 0, v).to(tl.int16)  # the bits of bf16 -0
+            else:
+                v = tl.where(v == 0.0, 0.0, v).to(v.dtype)
+        tl.store(out_ptr + row_out[:, :, None] + (ROT + p)[None, None, :], v, mask=pm)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1; 1 for n = 0)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: bool) -> torch.Tensor:
+    if x.dim() != 4 or x.dtype not in _KIND:
+        raise ValueError(f"the rotary embedding takes a [s, b, h, d] bfloat16, float16 or float32 tensor, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    S, B, H, D = x.shape
+    rot = cos_.shape[-1]
+    if cos_.shape != (S, rot) or sin_.shape != (S, rot) or cos_.dtype != x.dtype or sin_.dtype != x.dtype:
+        raise ValueError(f"cos_ and sin_ must be [{S}, rot_dim] tables of {x.dtype} (rope_tables), got "
+                         f"{cos_.dtype} {tuple(cos_.shape)} and {sin_.dtype} {tuple(sin_.shape)}")
+    if rot % 2 != 0 or rot > D:
+        raise ValueError(f"rot_dim={rot} must be even and at most the head dim {D}")
+    cos_, sin_ = cos_.contiguous(), sin_.contiguous()
+    out = torch.empty((S, B, H, D), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    half, rows = rot // 2, B * H
+    tile = TILE if x.is_cuda else TILE_INTERPRETER
+    block_h = max(16, _pow2(half))
+    block_p = max(16, _pow2(D - rot))
+    block_r = max(64 // block_h, min(_pow2(rows), tile // block_h))
+    block_s = max(1, min(_pow2(S), tile // (block_r * block_h)))
+    num_warps = max(1, min(4, block_s * block_r * block_h // 256))
+    kind = _KIND[x.dtype]
+    as_bits = (lambda v: v.view(torch.int16)) if kind == 1 else (lambda v: v)
+    grid = (cdiv(S, block_s), cdiv(rows, block_r))
+    _rope_kernel[grid](
+        as_bits(x), as_bits(cos_), as_bits(sin_), as_bits(out), S, B, H, *x.stride(),
+        D=D, HALF=half, BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p, KIND=kind,
+        NATIVE=x.is_cuda, BACKWARD=backward, num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out
+
+
+def rope_forward_triton(t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor) -> torch.Tensor:
+    """``rope_forward_ref(t, cos_, sin_)`` in one launch: t [s, b, h, d] (any strides), tables [s, rot_dim]
+    of t's dtype (``rope_tables``) -> a fresh contiguous [s, b, h, d]."""
+    return _launch(t, cos_, sin_, backward=False)
+
+
+def rope_backward_triton(g: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor) -> torch.Tensor:
+    """``rope_backward_ref(g, cos_, sin_)`` in one launch: the gradient w.r.t. t for the output gradient g."""
+    return _launch(g, cos_, sin_, backward=True)
+
+
+_CACHE_ATTR = "_rope_tables"
+
+
+def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_tables_ref(freqs, dtype)``, cached on ``freqs`` (module docstring: per dtype and version of
+    freqs; never written during a CUDA-graph capture; an entry is never replaced, so a graph that read it keeps
+    valid memory while freqs lives)."""
+    if freqs.is_inference() or freqs.requires_grad:
+        return rope_tables_ref(freqs, dtype)
+    cache = freqs.__dict__.get(_CACHE_ATTR)
+    hit = cache.get(dtype) if cache is not None else None
+    if hit is not None and hit[0] == freqs._version:
+        return hit[1], hit[2]
+    tables = rope_tables_ref(freqs, dtype)
+    if hit is None and not (freqs.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if cache is None:
+            cache = {}
+            setattr(freqs, _CACHE_ATTR, cache)
+        cache[dtype] = (freqs._version, *tables)
+    return tables
+
+
+class _RoPE(torch.autograd.Function):
+    """One launch each way; saves only the two tables (the backward needs no activation)."""
+
+    @staticmethod
+    def forward(ctx, t, cos_, sin_):
+        ctx.save_for_backward(cos_, sin_)
+        return rope_forward_triton(t, cos_, sin_)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos_, sin_ = ctx.saved_tensors
+        return rope_backward_triton(g, cos_, sin_), None, None
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``t`` [s, b, h, d] (bf16/fp16/fp32, any strides) by megatron's ``freqs``
+    [s, 1, 1, rot_dim] (non-interleaved: ``cat(f, f)``), differentiable w.r.t. t: a fresh contiguous
+    [s, b, h, d], bitwise megatron's unfused ``_apply_rotary_pos_emb_bshd`` forward and backward."""
+    check_rope_input(t, freqs)
+    if not use_triton(t):
+        return apply_rope_ref(t, freqs)
+    cos_, sin_ = rope_tables(freqs, t.dtype)
+    return _RoPE.apply(t, cos_, sin_)

@@ -1,0 +1,63 @@
+"""megatron-core's ``apply_rope_fusion`` switch, served by our fused rotary embedding instead of Transformer Engine.
+
+megatron-core 0.16.1 ... 0.19.x: ``megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb`` (what
+``SelfAttention`` calls for q and for k) calls the module global ``fused_apply_rotary_pos_emb(t, freqs,
+interleaved=config.rotary_interleaved)`` when ``config.apply_rope_fusion`` is set and the sequences are not packed,
+and ``fused_apply_rotary_pos_emb_thd`` when they are. Both globals are None without Transformer Engine, and
+``TransformerConfig.__post_init__`` refuses ``apply_rope_fusion=True`` while both are None (it imports them from
+``rope_utils`` when it runs, so it sees what :func:`install_fused_rope` sets). :func:`install_fused_rope` sets
+them to :func:`fused_apply_rotary_pos_emb` (``nvfp4_train.kernels.fused.rope.apply_rope``: bitwise megatron's
+unfused arithmetic, forward and backward) and to :func:`fused_apply_rotary_pos_emb_thd` (a ValueError: we do
+not pack sequences). Transformer Engine's kernel, where installed, is replaced too: it computes in fp32 without
+the unfused path's roundings, and the switch promises the unfused bits.
+
+What else reads the switch, in both releases, and why it is safe:
+- megatron's dispatcher itself runs its unfused path, with a warning, for ``mscale != 1`` (YaRN), mRoPE with
+  batch > 1 and (0.19) MLA-style interleaving, without calling the fused function: the results stay megatron's.
+- ``rotary_interleaved=True`` with the switch: ``__post_init__`` asks for Transformer Engine >= 2.3 (a config
+  error without it); the fused function refuses it too.
+- multi-latent attention (``multi_latent_attention=True``) with the switch calls megatron's own MLA/YaRN fused
+  kernels, not these globals; our models have no MLA.
+- ``fused_single_qkv_rope`` (the qkv-unsplit Transformer Engine kernel) is a separate switch, left off;
+  ``rotary_pos_cos``/``rotary_pos_sin`` (flash decoding, flashinfer) are inference-only and do not read it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nvfp4_train.kernels.fused.rope import apply_rope
+
+__all__ = ["install_fused_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"]
+
+
+def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                               interleaved: bool = False, mscale: float = 1.0) -> torch.Tensor:
+    """megatron's ``fused_apply_rotary_pos_emb(t, freqs, transpose_output_memory, interleaved)`` (its Transformer
+    Engine wrapper's signature) by ``apply_rope``: t [s, b, h, d], freqs [s, 1, 1, rot_dim]. Interleaved RoPE,
+    ``transpose_output_memory`` and a scale other than 1 are refused (megatron passes none of them here today)."""
+    if interleaved:
+        raise ValueError("rotary_interleaved=True: the fused rotary embedding is non-interleaved only; set "
+                         "apply_rope_fusion=False (or rotary_interleaved=False)")
+    if transpose_output_memory:
+        raise ValueError("transpose_output_memory=True is not supported by the fused rotary embedding; pass False "
+                         "or set apply_rope_fusion=False")
+    if mscale != 1.0:
+        raise ValueError(f"mscale={mscale}: the fused rotary embedding applies no scale; set apply_rope_fusion=False")
+    return apply_rope(t, freqs)
+
+
+def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, *args,
+                                   **kwargs) -> torch.Tensor:
+    """Packed sequences (``thd``, ``cu_seqlens``) are not supported: a ValueError naming the switch."""
+    raise ValueError("the fused rotary embedding takes [s, b, h, d] tensors; packed sequences (thd format, "
+                     "cu_seqlens) need megatron's unfused path: set apply_rope_fusion=False")
+
+
+def install_fused_rope() -> None:
+    """Make megatron-core's ``apply_rope_fusion=True`` run our fused rotary embedding (idempotent). Call it before
+    a ``TransformerConfig(apply_rope_fusion=True)`` is built (its validation reads these globals)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    rope_utils.fused_apply_rotary_pos_emb_thd = fused_apply_rotary_pos_emb_thd
