@@ -88,7 +88,7 @@ def hybrid_model_provider(cfg, layer_map: LayerPrecisionMap | None = None):
 
     def provider(pre_process: bool, post_process: bool):
         return build_model(cfg.model, layer_map, config=tcfg, pre_process=pre_process, post_process=post_process,
-                           seed=cfg.experiment.seed, seq_length=cfg.data.seq_length)
+                           seed=cfg.experiment.seed, seq_length=cfg.data.seq_length, fusion=cfg.fusion)
 
     return provider
 

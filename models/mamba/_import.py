@@ -14,6 +14,12 @@ in ``sys.modules`` WITHOUT running its ``__init__`` (the module object comes fro
 spec, so its ``__path__`` is the real one) and import only the Triton submodules through it. No stand-in
 for ``selective_scan_cuda`` is created, so a Mamba-1 op still fails with the ordinary ImportError.
 
+The fused training path (``ops.mamba_conv_scan_norm_fused``) composes the launchers that mamba-ssm's own fused
+op ``MambaSplitConv1dScanCombinedFn`` is built from -- causal-conv1d's ``cpp_functions`` and mamba-ssm's
+``_mamba_chunk_scan_combined_fwd/bwd`` and ``_layer_norm_fwd/bwd`` -- in megatron's sequence-first layout
+(:func:`load_fused_mamba`). They are private to mamba-ssm 2.3.2 (the pinned version, ``pyproject.toml``);
+a version without them gives ``(None, reason)`` and the unfused path.
+
 The consequence, within one process: after :func:`load_mamba_ssm` has succeeded, ``import mamba_ssm`` gives
 that bare package, so ``from mamba_ssm import Mamba2`` raises ImportError (in a pure-Python install it would
 raise anyway, for ``selective_scan_cuda``). Code that wants the complete package on a full CUDA build must
@@ -44,6 +50,19 @@ class MambaSSMOps:
     rmsnorm_fn: Callable  # (x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True)
     version: str
     bare_package: bool  # True when we registered mamba_ssm without running its __init__
+
+
+@dataclass(frozen=True)
+class FusedMambaOps:
+    """The launchers of mamba-ssm's fused conv + scan + gated-norm op (mamba-ssm 2.3.2, causal-conv1d 1.7.0):
+    each allocates its outputs or writes into the ``dx=``/``dz=``-style buffers it is given, by their strides."""
+
+    conv_fwd: Callable  # causal_conv1d_fwd_function(x [b,d,l], weight, bias, seq_idx, init, final_out, silu)
+    conv_bwd: Callable  # causal_conv1d_bwd_function(x, weight, bias, dout, seq_idx, init, dfinal, dx, ret_dinit, silu)
+    scan_fwd: Callable  # _mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, D=, z=, dt_bias=, ...)
+    scan_bwd: Callable  # _mamba_chunk_scan_combined_bwd(dout, x, dt, A, B, C, out, chunk_size, ..., dx=, dB=, dC=)
+    norm_fwd: Callable  # _layer_norm_fwd(x, weight, bias, eps, z=, out=, group_size=, norm_before_gate=, is_rms_norm=)
+    norm_bwd: Callable  # _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, z=, group_size=, ..., dz=)
 
 
 @dataclass(frozen=True)
@@ -123,3 +142,28 @@ def load_causal_conv1d() -> tuple[CausalConv1dOps | None, str]:
         return None, f"causal-conv1d is installed but failed to import: {type(e).__name__}: {e}"
     version = getattr(mod, "__version__", None) or _version("causal-conv1d")
     return CausalConv1dOps(causal_conv1d_fn=fn, version=version), f"causal-conv1d {version} CUDA kernel"
+
+
+@functools.cache
+def load_fused_mamba() -> tuple[FusedMambaOps | None, str]:
+    """The fused path's launchers (:class:`FusedMambaOps`), or ``(None, reason)``: needs mamba-ssm's Triton
+    kernels (:func:`load_mamba_ssm`) and causal-conv1d's CUDA extension (:func:`load_causal_conv1d`)."""
+    mamba, reason = load_mamba_ssm()
+    if mamba is None:
+        return None, reason
+    conv, reason = load_causal_conv1d()
+    if conv is None:
+        return None, reason
+    try:
+        cpp = importlib.import_module("causal_conv1d.cpp_functions")
+        ssd = importlib.import_module(_MAMBA_SUBMODULES[0])
+        norm = importlib.import_module(_MAMBA_SUBMODULES[1])
+        ops = FusedMambaOps(
+            conv_fwd=cpp.causal_conv1d_fwd_function, conv_bwd=cpp.causal_conv1d_bwd_function,
+            scan_fwd=ssd._mamba_chunk_scan_combined_fwd, scan_bwd=ssd._mamba_chunk_scan_combined_bwd,
+            norm_fwd=norm._layer_norm_fwd, norm_bwd=norm._layer_norm_bwd,
+        )
+    except (ImportError, AttributeError) as e:
+        return None, (f"mamba-ssm {mamba.version} / causal-conv1d {conv.version} lack the fused op's launchers "
+                      f"(pin mamba-ssm==2.3.2.post1, causal-conv1d==1.7.0): {type(e).__name__}: {e}")
+    return ops, f"fused conv + scan + gated norm from mamba-ssm {mamba.version} and causal-conv1d {conv.version}"

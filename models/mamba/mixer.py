@@ -17,8 +17,38 @@ Computation on ``[s, b, h]`` (megatron's sequence-first layout)::
     y          = gated_rmsnorm(y, z)              # rmsnorm(y * silu(z)) * w, per B/C group
     out        = out_proj(y)                      # quantized GEMM
 
-The ops (``nvfp4_train.models.mamba.ops``) run mamba-ssm's Triton SSD kernels and causal-conv1d's CUDA kernel on GPU
-when installed, and pure-PyTorch float32 versions on CPU.
+The three middle lines are one op, ``ops.mamba_conv_scan_norm``: on CUDA with ``fused=True`` (the default) and
+mamba-ssm plus causal-conv1d's CUDA extension installed, ONE autograd op (mamba-ssm's fused training op laid out
+sequence-first, ``ops._ConvScanNormFn``); otherwise the three ops in sequence (mamba-ssm's Triton kernels and
+causal-conv1d's on CUDA, pure-PyTorch float32 versions on CPU: the CPU path, unchanged by ``fused``). in_proj and
+out_proj stay our own layers either way. Both paths compute the same: mamba-ssm's norm with
+``norm_before_gate=False`` is ours (rmsnorm of y * silu(z), per group of d_inner / ngroups channels, the gate
+inside), and both receive this rank's shards from the one call in :meth:`MambaMixer.forward`.
+
+What the fused path removes, per Mamba layer and micro-batch (predicted; ``small`` at micro-batch 8 x seq
+2048: T = 16384 tokens, in_proj width w = 3088 = z 1024 + xBC 2048 + dt 16, d = 1024, bf16; bytes read +
+written, at ~4 TB/s):
+
+=================================  ====================================  ======================  ========
+path                               glue kernels (copies, cats)           bytes                   time
+=================================  ====================================  ======================  ========
+unfused, before this change        fwd: z copy, y transpose;             4T(3d + cd + w)         134 us
+                                   bwd: dy copy, cat(dx, dB, dC),        = 537 MB
+                                   cat(dz, dxBC, ddt)
+unfused now (norm after the        fwd: y transpose; bwd: the two cats   4T(d + cd + w)          101 us
+transpose, z read in place)                                              = 403 MB
+fused (``_ConvScanNormFn``)        fwd: y transpose; bwd: none (the      4Td = 67 MB             17 us
+                                   kernels write into dzxbcdt in place)
+mamba-ssm's batch-first op, as     fwd: zxbcdt and y transposes; bwd:    4T(2w + 2d) + 4T cd     168 us
+megatron calls it                  dy and dzxbcdt transposes, conv       = 672 MB
+                                   recomputed
+=================================  ====================================  ======================  ========
+
+Over a ``small`` step (12 Mamba layers x 4 micro-batches) the fused path moves ~23 GB less than the unfused
+path did (6.4 ms -> 0.8 ms at 4 TB/s) and launches 4 x 48 = 192 fewer kernels (of ~10,100); the conv, scan
+and norm kernels themselves are the same in every row. Transposing at the narrow ends instead (in_proj fed
+[b, s, h], 4T x 512 each way) would reorder the tokens inside in_proj's and out_proj's weight-gradient GEMMs,
+whose quantized operands are blocked along the tokens, and is impossible under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -35,7 +65,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from nvfp4_train.models.layers import param_device
-from nvfp4_train.models.mamba.ops import causal_conv1d, init_A_log, init_D, init_dt_bias, rmsnorm_gated, ssd_scan
+from nvfp4_train.models.mamba.ops import init_A_log, init_D, init_dt_bias, mamba_conv_scan_norm
 
 __all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaLayer", "MambaLayerSubmodules"]
 
@@ -61,7 +91,11 @@ class _GatedNorm(torch.nn.Module):
 
 
 class MambaMixer(MegatronModule):
-    """Mamba-2 mixer: ``[s, b, h] -> ([s, b, h], bias=None)``."""
+    """Mamba-2 mixer: ``[s, b, h] -> ([s, b, h], bias=None)``.
+
+    ``fused``: run conv + scan + gated norm as one autograd op on CUDA when mamba-ssm and causal-conv1d's CUDA
+    extension are installed (module docstring); False: the three ops in sequence. No effect on CPU.
+    """
 
     def __init__(
         self,
@@ -81,6 +115,7 @@ class MambaMixer(MegatronModule):
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
+        fused: bool = True,
         layer_number: int | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
@@ -96,6 +131,7 @@ class MambaMixer(MegatronModule):
         if num_heads % num_groups:
             raise ValueError(f"mamba_num_groups={num_groups} must divide mamba_num_heads={num_heads}")
         self.layer_number = layer_number
+        self.fused = fused
         self.head_dim, self.state_dim, self.chunk_size, self.eps = head_dim, state_dim, chunk_size, norm_epsilon
         self.d_inner = num_heads * head_dim
         self.nheads_local = num_heads // tp
@@ -136,23 +172,13 @@ class MambaMixer(MegatronModule):
         )
 
     def forward(self, hidden_states: torch.Tensor, **_unused) -> tuple[torch.Tensor, None]:
-        d, g, n, h, p = self.d_inner_local, self.ngroups_local, self.state_dim, self.nheads_local, self.head_dim
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, w] (the full sequence under SP)
-        # split in [s, b, w] order, then transpose each part to [b, s, .]: the same views (shapes, strides,
-        # values) as splitting zxbcdt.transpose(0, 1), but the split's backward now concatenates dz, dxBC, ddt
-        # into a contiguous [s, b, w] grad, the layout in_proj's backward uses (splitting the transposed
-        # tensor made it [b, s, w], which megatron's dgrad matmul and wgrad each copied to [s, b, w])
-        z, xbc, dt = (t.transpose(0, 1) for t in torch.split(zxbcdt, [d, d + 2 * g * n, h], dim=-1))
-        xbc = causal_conv1d(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                            activation="silu").transpose(1, 2)
-        x, B, C = torch.split(xbc, [d, g * n, g * n], dim=-1)
-        y = ssd_scan(
-            x.unflatten(-1, (h, p)), dt, -torch.exp(self.A_log.float()), B.unflatten(-1, (g, n)),
-            C.unflatten(-1, (g, n)), self.chunk_size, D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True,
-        )
-        y = rmsnorm_gated(y.flatten(-2), z, self.norm.weight, self.eps, group_size=d // g)
-        out, out_bias = self.out_proj(y.transpose(0, 1).contiguous())
-        return out, out_bias
+        y = mamba_conv_scan_norm(
+            zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias.float(),
+            -torch.exp(self.A_log.float()), self.D.float(), self.norm.weight, headdim=self.head_dim,
+            ngroups=self.ngroups_local, chunk_size=self.chunk_size, eps=self.eps, fused=self.fused,
+        )  # [s, b, d]: this rank's heads and groups
+        return self.out_proj(y)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron-core's checkpoint layout for a Mamba mixer: per-head tensors and conv channels sharded

@@ -14,6 +14,12 @@ op                  CUDA (optional package)                     fallback (any de
 
 A CUDA input that falls back warns once per op, naming the reason (the fallbacks are slow at scale).
 
+The mixer's core, in_proj's output to out_proj's input, is one op, :func:`mamba_conv_scan_norm` (conv, scan and
+gated norm on megatron's sequence-first ``[s, b, .]`` tensors): on CUDA the fused autograd op
+:func:`mamba_conv_scan_norm_fused` (mamba-ssm's fused training op laid out sequence-first, see
+:class:`_ConvScanNormFn`), else the three ops above in sequence; :func:`mamba_conv_scan_norm_ref` is its
+pure-PyTorch reference.
+
 Initialisation (Mamba-2's, as in mamba-ssm's ``Mamba2`` and megatron-core's ``MambaMixer``):
 ``init_dt_bias`` (dt log-uniform in [dt_min, dt_max], floored, stored as its inverse softplus),
 ``init_A_log`` (A uniform in ``A_init_range``, stored as log A; the mixer uses A = -exp(A_log)),
@@ -29,7 +35,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from nvfp4_train.models.mamba._import import load_causal_conv1d, load_mamba_ssm
+from nvfp4_train.models.mamba._import import FusedMambaOps, load_causal_conv1d, load_fused_mamba, load_mamba_ssm
 from nvfp4_train.models.mamba.ssd import ssd_chunked_scan
 
 __all__ = [
@@ -38,6 +44,9 @@ __all__ = [
     "causal_conv1d_ref",
     "rmsnorm_gated",
     "rmsnorm_gated_ref",
+    "mamba_conv_scan_norm",
+    "mamba_conv_scan_norm_fused",
+    "mamba_conv_scan_norm_ref",
     "init_dt_bias",
     "init_A_log",
     "init_D",
@@ -218,6 +227,230 @@ def rmsnorm_gated(
                                     norm_before_gate=norm_before_gate)
         _warn_fallback("rmsnorm_gated", reason)
     return rmsnorm_gated_ref(x, z, weight, eps, group_size, norm_before_gate)
+
+
+# ------------------------------------------------------- conv + scan + gated norm (the mixer's core)
+
+
+def _core_sizes(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups) -> tuple[int, int, int]:
+    """(d, cd, h): d = h * headdim channels of x (and z), cd = d + 2 * ngroups * dstate conv channels, h heads."""
+    h = A.shape[0] if A.dim() == 1 else -1
+    if h < 1 or dt_bias.shape != (h,) or D.shape != (h,):
+        raise ValueError(f"A, dt_bias and D must be [nheads], got {tuple(A.shape)}, {tuple(dt_bias.shape)}, "
+                         f"{tuple(D.shape)}")
+    d = h * headdim
+    if ngroups < 1 or h % ngroups:
+        raise ValueError(f"ngroups={ngroups} must divide nheads={h}")
+    cd = conv_weight.shape[0] if conv_weight.dim() == 2 else -1
+    if cd <= d or (cd - d) % (2 * ngroups):
+        raise ValueError(f"conv_weight must be [d_inner + 2 * ngroups * dstate, width] = [{d} + {2 * ngroups} * "
+                         f"dstate, width], got {tuple(conv_weight.shape)}")
+    if conv_bias is not None and conv_bias.shape != (cd,):
+        raise ValueError(f"conv_bias must be [{cd}], got {tuple(conv_bias.shape)}")
+    if norm_weight.shape != (d,):
+        raise ValueError(f"norm_weight must be [d_inner] = [{d}], got {tuple(norm_weight.shape)}")
+    if zxbcdt.dim() != 3 or zxbcdt.shape[-1] != d + cd + h:
+        raise ValueError(f"zxbcdt must be [seq, batch, 2 * d_inner + 2 * ngroups * dstate + nheads] = [s, b, "
+                         f"{d + cd + h}] (in_proj's output: z, x, B, C, dt), got {tuple(zxbcdt.shape)}")
+    return d, cd, h
+
+
+def _xbc_parts(xbc: torch.Tensor, d: int, h: int, headdim: int, ngroups: int):
+    """The conv's output (or its gradient) [b, cd, s] as the scan's x [b, s, h, p], B and C [b, s, g, n] (views)."""
+    x, B, C = torch.split(xbc.transpose(1, 2), [d, (xbc.shape[1] - d) // 2, (xbc.shape[1] - d) // 2], dim=-1)
+    return x.unflatten(-1, (h, headdim)), B.unflatten(-1, (ngroups, -1)), C.unflatten(-1, (ngroups, -1))
+
+
+def _conv_scan_norm(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups, chunk_size, eps,
+                    dt_limit, conv, scan, norm) -> torch.Tensor:
+    """The core as three ops (``conv``, ``scan``, ``norm``: the dispatching ops or their references)."""
+    d, cd, h = _core_sizes(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups)
+    z, xbc, dt = torch.split(zxbcdt, [d, cd, h], dim=-1)  # [s, b, .] views
+    # [b, cd, s] with the channels innermost: causal-conv1d's channel-last layout, read in place
+    xbc = conv(xbc.permute(1, 2, 0), conv_weight, conv_bias, activation="silu")
+    x, B, C = _xbc_parts(xbc, d, h, headdim, ngroups)
+    y = scan(x, dt.transpose(0, 1), A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit)
+    # the scan writes [b, s, h, p]: ONE transpose to [s, b, d]; the norm is per token, so it runs after it and
+    # reads z in place (before it, z would be copied forward and dy backward)
+    y = y.flatten(-2).transpose(0, 1).contiguous()
+    return norm(y, z, norm_weight, eps, group_size=d // ngroups)
+
+
+def mamba_conv_scan_norm_ref(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    headdim: int,
+    ngroups: int,
+    chunk_size: int,
+    eps: float = 1e-5,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """Mamba-2's core from in_proj's output to out_proj's input, sequence-first, in pure PyTorch::
+
+        z, xBC, dt = split(zxbcdt)                            zxbcdt [s, b, 2d + 2gn + h] (this TP rank's heads)
+        x, B, C    = split(silu(causal_conv1d(xBC)))          :func:`causal_conv1d_ref`
+        y          = ssd(x, dt, A, B, C, D, dt_bias, softplus)  :func:`~nvfp4_train.models.mamba.ssd.ssd_chunked_scan`
+        out        = rmsnorm(y * silu(z)) * norm_weight       :func:`rmsnorm_gated_ref`, per group of d / ngroups
+                                                              channels (norm_before_gate=False, as mamba-ssm's
+                                                              Mamba2 and megatron's mixer)
+
+    conv_weight [d + 2gn, width], conv_bias [d + 2gn] or None, dt_bias/A/D [h] (D per head), norm_weight [d];
+    d = h * headdim. Returns out [s, b, d] in zxbcdt's dtype (each op computes in float32 and rounds its result
+    to it, as the CUDA kernels do).
+    """
+    return _conv_scan_norm(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups, chunk_size,
+                           eps, dt_limit, causal_conv1d_ref, ssd_chunked_scan, rmsnorm_gated_ref)
+
+
+def _fused_unusable(zxbcdt, conv_weight, conv_bias, d: int, cd: int) -> str | None:
+    """Why the fused op cannot run these tensors, or None (causal-conv1d's channel-last conditions)."""
+    ops, reason = load_fused_mamba()
+    if ops is None:
+        return reason
+    width = conv_weight.shape[1]
+    if not 2 <= width <= 4:
+        return f"causal-conv1d needs conv width 2..4, got {width}"
+    if (zxbcdt.dtype not in _CONV_KERNEL_DTYPES or conv_weight.dtype not in _CONV_KERNEL_DTYPES
+            or (conv_bias is not None and conv_bias.dtype != conv_weight.dtype)):
+        return (f"causal-conv1d needs fp32/fp16/bf16 with the bias in the weight's dtype, got zxbcdt "
+                f"{zxbcdt.dtype}, weight {conv_weight.dtype}, bias {None if conv_bias is None else conv_bias.dtype}")
+    w = zxbcdt.shape[-1]
+    if d % 8 or cd % 8 or w % 8:
+        return (f"causal-conv1d reads channel-last slices of in_proj's output: d_inner ({d}), conv channels ({cd}) "
+                f"and in_proj's width ({w}) must be multiples of 8")
+    return None
+
+
+class _ConvScanNormFn(torch.autograd.Function):
+    """mamba-ssm's ``MambaSplitConv1dScanCombinedFn`` (conv + SSD scan + gated RMSNorm, no out_proj) for
+    megatron's sequence-first tensors: the same launchers in the same order, on strided views.
+
+    mamba-ssm's op takes zxbcdt batch-first and contiguous: its backward hands the norm ``dz`` through a
+    reshape that copies for any other layout (so a transposed view would leave dz unwritten), so megatron
+    copies zxbcdt to [b, s, w] and the output back (one transpose of w and one of d channels each way, plus
+    the conv recomputed in backward). Every launcher underneath takes strides, and the norm is per token, so
+    here::
+
+        forward   conv:  xBC [b, cd, s] = strided view of zxbcdt [s, b, w]   -> xc (memory [s, b, cd])
+                  scan:  x, B, C views of xc, dt view of zxbcdt          -> y [b, s, h, p]
+                  copy:  y -> ys [s, b, d]                                 the one transpose
+                  norm:  ys, z (view of zxbcdt, row stride w), rows in (s, b) order -> out [s, b, d]
+        backward  norm:  writes dz into dzxbcdt [s, b, w] (row stride w); dys [s, b, d]
+                  scan:  reads dys as [b, s, h, p]; writes dx, dB, dC into dxc [s, b, cd], ddt into dzxbcdt
+                  conv:  reads dxc channel-last; writes dxBC into dzxbcdt
+
+    Saved for backward: zxbcdt, the conv output xc and ys (mamba-ssm recomputes xc instead: it saves
+    memory, costs a conv forward). Numerics are mamba-ssm's kernels' (the same as the unfused ops on CUDA).
+    """
+
+    @staticmethod
+    def forward(ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups, chunk_size, eps,
+                dt_limit, ops: FusedMambaOps):
+        s, b, _ = zxbcdt.shape
+        h, cd = A.shape[0], conv_weight.shape[0]
+        d = h * headdim
+        zxbcdt = zxbcdt.contiguous()  # in_proj's output already is: (s, b) must merge into rows for the norm
+        z, xbc, dt = torch.split(zxbcdt, [d, cd, h], dim=-1)
+        xc = ops.conv_fwd(xbc.permute(1, 2, 0), conv_weight, conv_bias, None, None, None, True)  # silu
+        x, B, C = _xbc_parts(xc, d, h, headdim, ngroups)
+        y, *_ = ops.scan_fwd(x, dt.transpose(0, 1), A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias,
+                             dt_softplus=True, dt_limit=dt_limit)
+        ys = y.transpose(0, 1).reshape(s * b, d)  # the copy to [s, b, d]
+        out, _, rstd = ops.norm_fwd(ys, norm_weight, None, eps, z=z.view(s * b, d), group_size=d // ngroups,
+                                    norm_before_gate=False, is_rms_norm=True)
+        ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, xc, ys, dt_bias, A, D, norm_weight, rstd)
+        ctx.args = (headdim, ngroups, chunk_size, eps, dt_limit, ops)
+        return out.view(s, b, d)
+
+    @staticmethod
+    def backward(ctx, dout):
+        zxbcdt, conv_weight, conv_bias, xc, ys, dt_bias, A, D, norm_weight, rstd = ctx.saved_tensors
+        headdim, ngroups, chunk_size, eps, dt_limit, ops = ctx.args
+        s, b, _ = zxbcdt.shape
+        h, cd = A.shape[0], conv_weight.shape[0]
+        d = h * headdim
+        z, xbc, dt = torch.split(zxbcdt, [d, cd, h], dim=-1)
+        dzxbcdt = torch.empty_like(zxbcdt)
+        dz, dxbc, ddt = torch.split(dzxbcdt, [d, cd, h], dim=-1)
+        dys, dnorm_weight, _, _ = ops.norm_bwd(
+            dout.contiguous().view(s * b, d), ys, norm_weight, None, eps, None, rstd, z=z.view(s * b, d),
+            group_size=d // ngroups, norm_before_gate=False, is_rms_norm=True, dz=dz.view(s * b, d))
+        dxc = torch.empty(s, b, cd, dtype=xc.dtype, device=xc.device).permute(1, 2, 0)  # d loss / d xc, [b, cd, s]
+        x, B, C = _xbc_parts(xc, d, h, headdim, ngroups)
+        dx, dB, dC = _xbc_parts(dxc, d, h, headdim, ngroups)
+        _, _, dA, _, _, dD, _, ddt_bias, _ = ops.scan_bwd(
+            dys.view(s, b, h, headdim).transpose(0, 1), x, dt.transpose(0, 1), A, B, C,
+            ys.view(s, b, h, headdim).transpose(0, 1), chunk_size, D=D, z=None, dt_bias=dt_bias, dt_softplus=True,
+            dt_limit=dt_limit, dx=dx, ddt=ddt.transpose(0, 1), dB=dB, dC=dC)
+        _, dconv_weight, dconv_bias, _ = ops.conv_bwd(xbc.permute(1, 2, 0), conv_weight, conv_bias, dxc, None, None,
+                                                      None, dxbc.permute(1, 2, 0), False, True)
+        return (dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dnorm_weight) + (None,) * 6
+
+
+def mamba_conv_scan_norm_fused(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    headdim: int,
+    ngroups: int,
+    chunk_size: int,
+    eps: float = 1e-5,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """:func:`mamba_conv_scan_norm_ref`'s core as one autograd op on CUDA (:class:`_ConvScanNormFn`): mamba-ssm's
+    Triton scan and gated norm and causal-conv1d's kernel, with no copy but the scan output's transpose.
+    Raises RuntimeError where it cannot run (see :func:`mamba_conv_scan_norm` for the dispatch)."""
+    d, cd, _ = _core_sizes(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups)
+    reason = _fused_unusable(zxbcdt, conv_weight, conv_bias, d, cd)
+    if reason is not None:
+        raise RuntimeError(f"mamba_conv_scan_norm_fused cannot run: {reason}")
+    return _ConvScanNormFn.apply(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups,
+                                 chunk_size, eps, tuple(dt_limit), load_fused_mamba()[0])
+
+
+def mamba_conv_scan_norm(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    headdim: int,
+    ngroups: int,
+    chunk_size: int,
+    eps: float = 1e-5,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    fused: bool = True,
+) -> torch.Tensor:
+    """:func:`mamba_conv_scan_norm_ref`'s core. With ``fused`` and a CUDA input that the fused op can run (mamba-ssm
+    and causal-conv1d's CUDA extension installed, widths multiples of 8): :func:`mamba_conv_scan_norm_fused`;
+    otherwise :func:`causal_conv1d`, :func:`ssd_scan` and :func:`rmsnorm_gated` in sequence (each its kernel on
+    CUDA, its reference on CPU: there this is :func:`mamba_conv_scan_norm_ref`). A CUDA input that asked for the
+    fused op and cannot have it warns once, naming the reason."""
+    d, cd, _ = _core_sizes(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups)
+    if fused and zxbcdt.is_cuda:
+        reason = _fused_unusable(zxbcdt, conv_weight, conv_bias, d, cd)
+        if reason is None:
+            return _ConvScanNormFn.apply(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim,
+                                         ngroups, chunk_size, eps, tuple(dt_limit), load_fused_mamba()[0])
+        if "mamba_conv_scan_norm" not in _warned:
+            _warned.add("mamba_conv_scan_norm")
+            warnings.warn(f"mamba_conv_scan_norm: fused=True but running the unfused ops ({reason})", stacklevel=2)
+    return _conv_scan_norm(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups, chunk_size,
+                           eps, dt_limit, causal_conv1d, ssd_scan, rmsnorm_gated)
 
 
 # ------------------------------------------------------------------------------- initialisation

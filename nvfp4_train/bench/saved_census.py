@@ -154,8 +154,10 @@ def install_gpu_stand_ins(gpu_conv: str = "kernel") -> None:
     import nvfp4_train.models.mamba.mixer as mixer
     from nvfp4_train.models.mamba.ops import causal_conv1d_ref
 
-    def ssd_scan(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_softplus=False, **kw):
+    def ssd_scan(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                 dt_limit=(0.0, float("inf")), **kw):
         assert z is None and not kw, "the mixer calls the scan without z, initial or final states"
+        assert tuple(dt_limit) == (0.0, float("inf")), "the mixer calls the scan without a dt limit"
         return _ScanAsMambaSSM.apply(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus)
 
     def conv(x, weight, bias=None, activation=None):
@@ -174,7 +176,12 @@ def install_gpu_stand_ins(gpu_conv: str = "kernel") -> None:
     def rms_norm(x, weight, eps):
         return _RMSNormAsFused.apply(x, weight, eps) if weight.dtype == x.dtype else composite(x, weight, eps)
 
+    # the unfused mixer path looks these up in ops at call time (ops.mamba_conv_scan_norm on CPU); the fused op of
+    # fusion.mamba (ops._ConvScanNormFn, CUDA only) has no stand-in: the census describes the unfused GPU path
+    import nvfp4_train.models.mamba.ops as ops
+
     mixer.ssd_scan, mixer.causal_conv1d, mixer.rmsnorm_gated = ssd_scan, conv, gated
+    ops.ssd_scan, ops.causal_conv1d, ops.rmsnorm_gated = ssd_scan, conv, gated
     nvfp4_train.models.layers.rms_norm = rms_norm
 
 
