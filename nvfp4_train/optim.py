@@ -20,16 +20,31 @@ is one ``torch._foreach_norm``, the coefficient stays on the device (``min(1, ma
 and every gradient is multiplied by it in one ``torch._foreach_mul_``: a step that does not clip multiplies
 by exactly 1.0, so its update is bitwise megatron's. The grad norm comes back as a 0-d device tensor; the
 trainer reads it on the host only when it logs.
+
+The AdamW kernel, one form per device: on CUDA torch's fused multi-tensor AdamW (``torch._fused_adamw_``:
+parameter, gradient and both moments read once and parameter and moments written once, 28 bytes per FP32
+parameter; torch's foreach form, megatron's default without Apex or Transformer Engine, makes about eight passes
+and moves ~84). Its update differs from the foreach one by a few fp32 roundings per element
+(``tests/trainer/test_fused_adam.py`` derives the bound). On the CPU torch's default (a loop over the tensors)
+stays, so CPU runs and the tests that pin their numbers keep them; torch's fused CPU kernel rounds differently
+(within the same bound). ``mcore_compat.optimizer.set_fused_adam`` sets the form on megatron's inner AdamW; a
+checkpoint of either form resumes in the other.
+
+Passes over memory per step and FP32 parameter (``scripts/bench_optimizer.py`` times them): megatron's found-inf
+check (read and write the gradients, 8 bytes), the clipping norm (read, 4) and multiply (read and write, 8, also
+when the coefficient is 1), AdamW (28), megatron's copy of the master weights into the bf16 parameters (read fp32,
+write bf16, 6: already one ``copy_`` per tensor, one pass; a ``torch._foreach_copy_`` would save launches, not
+bytes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nvfp4_train.mcore_compat.optimizer import grads_for_grad_norm
+from nvfp4_train.mcore_compat.optimizer import adam_params_device, grads_for_grad_norm, set_fused_adam
 
-__all__ = ["OptimConfig", "build_ddp", "build_optimizer", "megatron_optimizer_config", "optimizer_step",
-           "clip_grad_norm_sync_free"]
+__all__ = ["OptimConfig", "build_ddp", "build_optimizer", "fused_adam_on", "megatron_optimizer_config",
+           "optimizer_step", "clip_grad_norm_sync_free"]
 
 
 @dataclass(kw_only=True)
@@ -108,11 +123,21 @@ def megatron_optimizer_config(model_chunks: list, cfg: OptimConfig, *, lr: float
 
 
 def build_optimizer(model_chunks: list, cfg: OptimConfig, *, lr: float, min_lr: float):
-    """megatron-core's optimizer over ``model_chunks`` (DDP-wrapped), FP32 master weights for bf16 params.
-    Step it with ``optimizer_step(optimizer, cfg.clip_grad)``: its own ``step()`` does not clip."""
+    """megatron-core's optimizer over ``model_chunks`` (DDP-wrapped), FP32 master weights for bf16 params, its
+    AdamW fused where the master weights are on CUDA (:func:`fused_adam_on`). Step it with
+    ``optimizer_step(optimizer, cfg.clip_grad)``: its own ``step()`` does not clip."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    return get_megatron_optimizer(megatron_optimizer_config(model_chunks, cfg, lr=lr, min_lr=min_lr), model_chunks)
+    opt = get_megatron_optimizer(megatron_optimizer_config(model_chunks, cfg, lr=lr, min_lr=min_lr), model_chunks)
+    device = adam_params_device(opt)
+    set_fused_adam(opt, device is not None and fused_adam_on(device))
+    return opt
+
+
+def fused_adam_on(device) -> bool:
+    """The AdamW form for master weights on ``device``: torch's fused kernel on CUDA, torch's default
+    elsewhere (see the module docstring)."""
+    return device.type == "cuda"
 
 
 def _stats_device():
