@@ -678,8 +678,7 @@ def _gemm_alpha_cublas(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | N
         if supported_dtypes(a.dtype, out_dtype):
             return matmul_device_alpha(a, b, alpha, out_dtype)
         return _scale_alpha(matmul_device_alpha(a, b, alpha, torch.float32), None, out_dtype, None)
-    if accumulate_into is not None:
-        raise ValueError("accumulate_into: the GEMM adds into a tensor in cuBLASLt's epilogue, on CUDA only")
+    assert accumulate_into is None, "predequant_fp4_gemm refuses accumulate_into off CUDA"
     acc = a.float() @ b.float().t()
     return _scale_alpha(acc, alpha, out_dtype, amax)
 

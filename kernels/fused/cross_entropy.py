@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import use_triton
+from nvfp4_train.kernels.fused._elements import KIND, load_f32
 from nvfp4_train.kernels.fused.cross_entropy_reference import (
     BLOCK_V,
     VocabParallelCrossEntropy,
@@ -64,18 +65,6 @@ NUM_WARPS = 8
 # no multiply-add contraction: s * alpha + sum and p - 1 stay separately rounded, as in the reference
 _LAUNCH_OPTS = dict(enable_fp_fusion=False)
 
-_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-@triton.jit
-def _load_f32(ptrs, mask, KIND: tl.constexpr):
-    """fp32 values of fp32 (KIND 0), bf16 passed as int16 bits (1) or fp16 (2) elements; 0 where masked.
-    bf16 goes through its bits (exact everywhere; the interpreter's own bf16 conversion is not)."""
-    if KIND == 1:
-        raw = tl.load(ptrs, mask=mask, other=0)
-        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -108,7 +97,7 @@ def _ce_stats_kernel(
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols
         mask = c < V
-        x = tl.where(mask, _load_f32(base + c, mask, KIND), float("-inf"))
+        x = tl.where(mask, load_f32(base + c, mask, KIND), float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # a row whose blocks so far are all -inf keeps s = 0 (exp(-inf - -inf) would be NaN)
         c_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -116,7 +105,7 @@ def _ce_stats_kernel(
         m = m_new
     local = tl.load(t_ptr + row) - vocab_start
     hit = (local >= 0) & (local < V)
-    xt = _load_f32(base + local, hit, KIND)
+    xt = load_f32(base + local, hit, KIND)
     tl.store(stats_ptr + row, m)
     tl.store(stats_ptr + N + row, s)
     tl.store(stats_ptr + 2 * N + row, xt)
@@ -138,7 +127,7 @@ def _ce_grad_kernel(
     r = tl.math.div_rn(tl.full([1], 1.0, tl.float32), s)
     g = tl.load(g_ptr + row)
     local = tl.load(t_ptr + row) - vocab_start
-    x = _load_f32(x_ptr + row * stride_xn + c, mask, KIND)
+    x = load_f32(x_ptr + row * stride_xn + c, mask, KIND)
     p = tl.exp(x - m) * r
     d = tl.where(c == local, p - 1.0, p)
     _store_from_f32(out_ptr + row * stride_on + c, d * g, mask, KIND)
@@ -162,7 +151,7 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start:
         return stats
     _ce_stats_kernel[(n,)](
         _kernel_view(logits), target.contiguous(), stats, n, v, logits.stride(0), vocab_start,
-        KIND=_KIND[logits.dtype], BLOCK_V=_block(v, block_v), num_warps=NUM_WARPS, **_LAUNCH_OPTS,
+        KIND=KIND[logits.dtype], BLOCK_V=_block(v, block_v), num_warps=NUM_WARPS, **_LAUNCH_OPTS,
     )
     return stats
 
@@ -180,7 +169,7 @@ def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, vocab_start: 
     _ce_grad_kernel[(n, triton.cdiv(v, block))](
         _kernel_view(logits), target.contiguous(), stats.contiguous(), grad_loss.float().contiguous(),
         _kernel_view(out), n, v, logits.stride(0), out.stride(0), vocab_start,
-        KIND=_KIND[logits.dtype], BLOCK_V=block, num_warps=NUM_WARPS, **_LAUNCH_OPTS,
+        KIND=KIND[logits.dtype], BLOCK_V=block, num_warps=NUM_WARPS, **_LAUNCH_OPTS,
     )
     return out
 

@@ -60,6 +60,7 @@ import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import use_triton
 from nvfp4_train.kernels.fp4_triton import cdiv, round_to_bf16, round_to_bf16_x2
+from nvfp4_train.kernels.fused._elements import KIND, load_f32
 from nvfp4_train.kernels.fused.rope_reference import (
     apply_rope_ref,
     check_rope_input,
@@ -83,17 +84,6 @@ __all__ = [
 # interpreter pays per operation, not per element, so it takes the whole test tensor in a few programs
 TILE = 2048
 TILE_INTERPRETER = 1 << 15
-_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-@triton.jit
-def _load_f32(ptrs, mask, KIND: tl.constexpr):
-    """fp32 values of fp32 (KIND 0), bf16 passed as int16 bits (1) or fp16 (2): exact."""
-    if KIND == 1:
-        raw = tl.load(ptrs, mask=mask, other=0)
-        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -153,15 +143,15 @@ def _rope_kernel(
     kmask = k < HALF
     m = row_mask[:, :, None] & kmask[None, None, :]
     lo_ptrs = x_ptr + row_in[:, :, None] + (k * stride_d)[None, None, :]
-    a_lo = _load_f32(lo_ptrs, m, KIND)
-    a_hi = _load_f32(lo_ptrs + HALF * stride_d, m, KIND)
+    a_lo = load_f32(lo_ptrs, m, KIND)
+    a_hi = load_f32(lo_ptrs + HALF * stride_d, m, KIND)
     # the tables of each position, once per program, broadcast over its rows
     tab = (pos * ROT)[:, None] + k[None, :]
     tmask = smask[:, None] & kmask[None, :]
-    c_lo = _load_f32(cos_ptr + tab, tmask, KIND)[:, None, :]
-    c_hi = _load_f32(cos_ptr + tab + HALF, tmask, KIND)[:, None, :]
-    s_lo = _load_f32(sin_ptr + tab, tmask, KIND)[:, None, :]
-    s_hi = _load_f32(sin_ptr + tab + HALF, tmask, KIND)[:, None, :]
+    c_lo = load_f32(cos_ptr + tab, tmask, KIND)[:, None, :]
+    c_hi = load_f32(cos_ptr + tab + HALF, tmask, KIND)[:, None, :]
+    s_lo = load_f32(sin_ptr + tab, tmask, KIND)[:, None, :]
+    s_hi = load_f32(sin_ptr + tab + HALF, tmask, KIND)[:, None, :]
     # lo, hi: the fp32 sums before their last rounding (done by the store)
     if BACKWARD:
         lo = _round(a_lo * c_lo, KIND, NATIVE) + _round(a_hi * s_hi, KIND, NATIVE)
@@ -195,7 +185,7 @@ def _pow2(n: int) -> int:
 
 
 def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: bool) -> torch.Tensor:
-    if x.dim() != 4 or x.dtype not in _KIND:
+    if x.dim() != 4 or x.dtype not in KIND:
         raise ValueError(f"the rotary embedding takes a [s, b, h, d] bfloat16, float16 or float32 tensor, got "
                          f"{x.dtype} {tuple(x.shape)}")
     S, B, H, D = x.shape
@@ -216,7 +206,7 @@ def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: b
     block_r = max(64 // block_h, min(_pow2(rows), tile // block_h))
     block_s = max(1, min(_pow2(S), tile // (block_r * block_h)))
     num_warps = max(1, min(4, block_s * block_r * block_h // 256))
-    kind = _KIND[x.dtype]
+    kind = KIND[x.dtype]
     as_bits = (lambda v: v.view(torch.int16)) if kind == 1 else (lambda v: v)
     grid = (cdiv(S, block_s), cdiv(rows, block_r))
     _rope_kernel[grid](

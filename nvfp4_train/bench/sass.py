@@ -58,6 +58,15 @@ def _nvidia_tool(name: str) -> Path:
     return path
 
 
+def have_nvidia_tools() -> bool:
+    """Whether this Triton installation ships ``ptxas`` and ``nvdisasm`` (what compiling to SASS needs)."""
+    try:
+        _nvidia_tool("ptxas"), _nvidia_tool("nvdisasm")
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def count_opcodes(sass: str) -> Counter:
     """Opcode -> count over the instruction lines of an ``nvdisasm`` listing (predicates and modifiers dropped)."""
     ops: Counter = Counter()

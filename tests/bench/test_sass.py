@@ -25,15 +25,7 @@ def test_count_opcodes_drops_predicates_and_modifiers():
     assert ops == {"LDC": 1, "S2R": 1, "VIADD": 1, "FADD": 2, "NOP": 1, "EXIT": 1}
 
 
-def _have_tools() -> bool:
-    try:
-        sass._nvidia_tool("ptxas"), sass._nvidia_tool("nvdisasm")
-    except FileNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _have_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
+@pytest.mark.skipif(not sass.have_nvidia_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
 def test_quantize_kernel_counts_for_sm90():
     rne = sass.quantize_kernel_sass(sr=False)
     assert rne.threads == 128 and rne.elements == 64 * 128

@@ -62,18 +62,21 @@ def assert_ranks_ok(out_dir: Path, case: str, nprocs: int = 2) -> None:
 
 
 @contextlib.contextmanager
-def megatron_single_rank():
-    """A one-rank gloo process group with megatron's parallel state at TP=1 (megatron's row layer needs a
-    group even at TP=1); torn down on exit. Skips the caller if a group already exists in this process."""
+def megatron_single_rank(device: str = "cpu"):
+    """A one-rank process group with megatron's parallel state at TP=1 (megatron's row layer needs a group even
+    at TP=1): gloo with the CPU-compatibility module for ``device="cpu"``, NCCL for ``"cuda"``; torn down on exit.
+    Skips the caller if a group already exists in this process."""
     import pytest
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    enable_cpu_compat()
+    if device == "cpu":
+        enable_cpu_compat()
     from megatron.core import parallel_state
 
     with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
+        dist.init_process_group("gloo" if device == "cpu" else "nccl",
+                                init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
         try:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
             try:

@@ -10,9 +10,9 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from nvfp4_train.bench.aten_ops import launches_kernel
+from nvfp4_train.bench.aten_ops import AtenOps
+from nvfp4_train.bench.sass import have_nvidia_tools
 from nvfp4_train.kernels.fused import nonfinite as nf
 from nvfp4_train.kernels.fused.nonfinite_reference import (
     NEVER,
@@ -82,20 +82,10 @@ class _KernelLaunches:
         monkeypatch.setattr(nf, "_track_nonfinite_kernel", Counting())
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def kernels(self):
-        """The torch ops that launch a kernel, less the interpreter's copies of the kernel's arguments (a CUDA
-        launch has none)."""
-        return [op for op in self.ops if launches_kernel(op) and not (INTERPRET and op == "copy_")]
+def _recorder() -> AtenOps:
+    """The torch ops that launch a kernel, less the interpreter's copies of the kernel's arguments (a CUDA launch
+    has none)."""
+    return AtenOps(ignore=frozenset({"copy_"}) if INTERPRET else frozenset())
 
 
 def _cases(device: str, gen: torch.Generator) -> list[tuple[tuple[int, ...], str, int]]:
@@ -196,7 +186,7 @@ def test_empty_tensor_launches_nothing_and_counts_as_finite(triton_device, monke
     empty = torch.empty(0, 7, dtype=torch.bfloat16, device=dev)
     kept = torch.tensor(3.0, dtype=torch.float64, device=dev)
     clock = torch.tensor(10.0, dtype=torch.float64, device=dev)
-    with _Ops() as rec:
+    with _recorder() as rec:
         assert nf.track_nonfinite_triton(None, empty, 4, arrivals) is None
         assert nf.track_nonfinite_triton(kept, empty, 4, arrivals) is kept
     assert rec.kernels == []
@@ -224,7 +214,7 @@ def test_one_check_is_one_launch_and_never_syncs(triton_device, monkeypatch):
     x = torch.randn(16, 9, device=dev).bfloat16()
     x32, empty = x.float(), torch.empty(0, 9, dtype=torch.bfloat16, device=dev)
     tel.check_output(x)  # allocates the counters
-    with _Ops() as rec:
+    with _recorder() as rec:
         tel.check_output(x)
         tel.check_input_grad(x)  # the first backward check: a new kept tensor, written by the kernel
         tel.check_input_grad(x32)
@@ -233,7 +223,7 @@ def test_one_check_is_one_launch_and_never_syncs(triton_device, monkeypatch):
     assert not _SYNC_OPS & set(rec.ops)
     clock = torch.zeros((), dtype=torch.float64, device=dev)
     tel.set_device_clock(clock)
-    with _Ops() as rec:
+    with _recorder() as rec:
         tel.check_output(x)
         tel.check_input_grad(x)
     assert launches.n == 6 and rec.kernels == [] and not _SYNC_OPS & set(rec.ops)
@@ -313,17 +303,7 @@ def test_errors_name_the_value_and_the_fix():
         nf.track_nonfinite_triton(None, torch.ones(4, dtype=torch.int32), 1, nf.new_arrivals("cpu"))
 
 
-def _have_tools() -> bool:
-    from nvfp4_train.bench import sass
-
-    try:
-        sass._nvidia_tool("ptxas"), sass._nvidia_tool("nvdisasm")
-    except FileNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _have_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
+@pytest.mark.skipif(not have_nvidia_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
 def test_kernel_compiles_for_sm90_with_wide_loads_and_one_atomic():
     """Compiled for sm_90 on any machine (no GPU needed): 16-byte loads (8 bf16 or 4 fp32 a load; the tile is
     read in wide vectors) and one atomic per program, for both clocks."""

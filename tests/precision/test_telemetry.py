@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nvfp4_train.precision import telemetry as tel_mod
 from nvfp4_train.precision.megatron_linear import QuantColumnParallelLinear, QuantRowParallelLinear
@@ -25,7 +24,7 @@ from nvfp4_train.precision.telemetry import (
     set_nonfinite_check,
     set_telemetry,
 )
-from nvfp4_train.bench.aten_ops import launches_kernel
+from nvfp4_train.bench.aten_ops import AtenOps
 from tests.precision.mcore_util import column, config, megatron_single_rank, row
 
 
@@ -197,20 +196,6 @@ def test_nonfinite_checks_after_skip_checks_only_after_a_skipped_step(gen, mode)
 
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def kernels(self):
-        return [op for op in self.ops if launches_kernel(op)]
-
-
 def _old_first_bad(prev, t, clock):
     """The previous formulation (10 kernel launches per check), with an empty tensor taken as finite."""
     now = next(clock)
@@ -248,16 +233,16 @@ def test_nonfinite_check_launches_four_kernels_and_never_syncs():
     tel = LayerTelemetry()
     x = torch.randn(16, 8).bfloat16()
     x32 = x.float()
-    with _Ops() as first:
+    with AtenOps() as first:
         tel.check_output(x)
     tel.check_input_grad(x)
-    with _Ops() as later:
+    with AtenOps() as later:
         tel.check_output(x)
         tel.check_input_grad(x)
         tel.check_input_grad(x32)
     assert first.kernels == ["linalg_vector_norm", "full", "add", "nan_to_num"]
     assert later.kernels == ["linalg_vector_norm", "add", "nan_to_num", "minimum"] * 3
-    with _Ops() as empty:
+    with AtenOps() as empty:
         tel.check_output(torch.empty(0, 8, dtype=torch.bfloat16))
     assert empty.kernels == []
     for rec in (first, later):
@@ -332,7 +317,7 @@ def test_device_clock_gives_the_host_clock_answers(gen, monkeypatch):
     # the tensors a captured graph writes are the ones the layers keep, also after resets
     assert all(a is layer.quant_telemetry.forward_bad and b is layer.quant_telemetry.backward_bad
                for (a, b), layer in zip(kept, dev))
-    with _Ops() as rec:
+    with AtenOps() as rec:
         dev[0].quant_telemetry.check_output(torch.ones(4, 8))
     assert not {"_local_scalar_dense", "item", "is_nonzero", "nonzero"} & set(rec.ops)
     set_device_clock(dm, None)  # back to the host clock: nothing kept

@@ -14,8 +14,7 @@ the block max scale, plus E4M3 scale rounding 2^-4): a factor (1 + 2^-1)(1 + 2^-
 S <= (1.5 * 1.0625)^2 sum_blk ||dy_blk,n|| ||x_blk,k|| (in the products' real units, alpha included). Then
 unfused: main_grad = fl32(C + bf16(p)), p = fl32(alpha * acc); fused: fl32(alpha * acc + C) with one or two fp32
 roundings. cuBLASLt's bf16 output is within 1 bf16 ulp of fl32(alpha * acc), not always within half of one
-(measured on random operands, test_nvfp4_gemm_accumulate_against_float64's history: up to 0.91 ulp, H200,
-2026-12-04), so |bf16(p) - p| <= 2^-8 |p|; each fp32 rounding <= 2^-24 of its result:
+(measured on random operands on an H200, 2026-12-04: up to 0.91 ulp; docs/numerics.md, "Fused step"), so |bf16(p) - p| <= 2^-8 |p|; each fp32 rounding <= 2^-24 of its result:
 |fused - unfused| <= 2 (M - 1) u S + 2^-8 |p| + 2^-23 (2|p| + |C|) per element and micro-batch, summed over the
 micro-batches (C carrying the earlier ones).
 """

@@ -17,17 +17,14 @@ GPU tier: ``pytest -q -m gpu tests/trainer/test_fused_adam.py``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nvfp4_train.mcore_compat.optimizer import adam_is_fused, set_fused_adam
 from nvfp4_train.optim import OptimConfig, build_ddp, build_optimizer, optimizer_step
+from tests.precision.mcore_util import megatron_single_rank
 
 FP32_U = 2.0 ** -24  # unit roundoff of fp32
 UNDERFLOW = 2.0 ** -126  # absolute slack: a result in fp32's subnormal range loses up to 2^-149 per rounding
@@ -180,31 +177,6 @@ def test_fused_cpu_update_matches_the_cpu_default_within_the_bound(gen):
 VOCAB, HIDDEN, FFN, LAYERS, SEQ = 96, 32, 64, 2, 16
 
 
-@contextlib.contextmanager
-def _megatron_rank(device: str):
-    """One rank (gloo with the CPU compatibility layer on the CPU, NCCL on CUDA) and megatron's parallel state at
-    TP = PP = 1, torn down on exit."""
-    from megatron.core import parallel_state
-
-    from nvfp4_train.mcore_compat.cuda_on_cpu import enable_cpu_compat
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    if device == "cpu":
-        enable_cpu_compat()
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo" if device == "cpu" else "nccl",
-                                init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
-        try:
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-            try:
-                yield
-            finally:
-                parallel_state.destroy_model_parallel()
-        finally:
-            dist.destroy_process_group()
-
-
 def _build(device: str, *, fused: bool | None = None):
     """A small megatron GPT (bf16, local spec) in DDP and the project's optimizer; ``fused`` overrides the
     form ``build_optimizer`` picks."""
@@ -325,13 +297,13 @@ def _everything(model, opt) -> list[torch.Tensor]:
 
 
 def test_megatron_step_is_the_fused_kernel_cpu():
-    with _megatron_rank("cpu"):
+    with megatron_single_rank("cpu"):
         _check_megatron_step_is_the_fused_kernel("cpu")
 
 
 @pytest.mark.gpu
 def test_megatron_step_is_the_fused_kernel_gpu():
-    with _megatron_rank("cuda"):
+    with megatron_single_rank("cuda"):
         _check_megatron_step_is_the_fused_kernel("cuda")
 
 
@@ -381,7 +353,7 @@ def _check_resume_across_forms(device: str, tmp_path, optim_format: str, saved_f
 @pytest.mark.parametrize("optim_format", ["dp_reshardable", "fully_reshardable"])
 @pytest.mark.parametrize("saved_fused", [False, True], ids=["saved_default", "saved_fused"])
 def test_a_checkpoint_of_either_form_resumes_in_the_other_cpu(tmp_path, optim_format, saved_fused):
-    with _megatron_rank("cpu"):
+    with megatron_single_rank("cpu"):
         _check_resume_across_forms("cpu", tmp_path, optim_format, saved_fused)
 
 
@@ -389,7 +361,7 @@ def test_a_checkpoint_of_either_form_resumes_in_the_other_cpu(tmp_path, optim_fo
 @pytest.mark.parametrize("optim_format", ["dp_reshardable", "fully_reshardable"])
 def test_a_foreach_checkpoint_resumes_fused_gpu(tmp_path, optim_format):
     """A checkpoint written before the fused form (foreach, CPU step counts) resumes in it on CUDA."""
-    with _megatron_rank("cuda"):
+    with megatron_single_rank("cuda"):
         _check_resume_across_forms("cuda", tmp_path, optim_format, saved_fused=False)
 
 
@@ -402,7 +374,7 @@ def test_bench_optimizer_quick_runs_every_part():
 
     from nvfp4_train.bench import optimizer as bench
 
-    with _megatron_rank("cpu"):
+    with megatron_single_rank("cpu"):
         rows, same = bench.run(argparse.Namespace(quick=True, params=None, model="1.2b", megatron=False, iters=2,
                                                   warmup=1, seed=0))
     assert same
