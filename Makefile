@@ -12,11 +12,12 @@ PYTEST := $(PY) -m pytest -q
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py requirements/cpu-constraints.txt
+$(STAMP): pyproject.toml setup.py requirements/cpu-constraints.txt requirements/modelopt.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -c requirements/cpu-constraints.txt -e ".[dev]"
+	$(PIP) install -q --no-deps -r requirements/modelopt.txt
 	$(PY) -c "import torch, triton, megatron.core; print('torch', torch.__version__, 'triton', triton.__version__)"
 	touch $(STAMP)
 

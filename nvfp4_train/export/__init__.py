@@ -7,5 +7,6 @@
 - ``nvfp4``: the NVFP4-trained layers in NVIDIA ModelOpt's NVFP4 checkpoint layout (TensorRT-LLM, vLLM,
   SGLang), from the training's own scales (:mod:`nvfp4_train.export.nvfp4`).
 
-Command line: ``python -m nvfp4_train.export {hf,import-hf,nvfp4} ...`` (``--help`` on each).
+Command line: ``python -m nvfp4_train.export {hf,import-hf,nvfp4} ...`` (``--help`` on each; exit status 0, 2 for
+bad arguments or input, reported in one line, 4 for a file that cannot be read or written).
 """

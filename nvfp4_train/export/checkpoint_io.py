@@ -25,7 +25,7 @@ import torch
 from nvfp4_train.models.config import ModelConfig
 
 __all__ = ["RunInfo", "read_run_info", "build_model_single", "load_checkpoint_model", "write_training_checkpoint",
-           "shape_problems"]
+           "check_new_checkpoint_root", "shape_problems"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -127,6 +127,16 @@ def load_checkpoint_model(path: str | Path) -> tuple[RunInfo, dict[str, torch.Te
     return info, {k: v.detach().clone() for k, v in _weights(model).items()}
 
 
+def check_new_checkpoint_root(out: str | Path) -> Path:
+    """``out`` as the root of a new checkpoint: a new or empty directory (checked before any work)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory: give a new directory for the checkpoint")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty: give a new directory for the checkpoint")
+    return out
+
+
 def write_training_checkpoint(out: str | Path, model_cfg: ModelConfig, state: dict[str, torch.Tensor], *,
                               overrides: tuple[str, ...] = (), meta_extra: dict | None = None) -> Path:
     """Write ``state`` (our keys, TP = PP = 1) as the step-0 checkpoint ``out/step_0000000`` that ``train.py``
@@ -139,9 +149,7 @@ def write_training_checkpoint(out: str | Path, model_cfg: ModelConfig, state: di
     from nvfp4_train.config import compose_config
     from nvfp4_train.optim import build_ddp, build_optimizer
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty: give a new directory for the checkpoint")
+    out = check_new_checkpoint_root(out)
     cfg = compose_config("train", ["precision=bf16", *overrides])
     cfg.model = model_cfg
     model = build_model_single(model_cfg, dtype=torch.bfloat16, layer_map=cfg.precision.layer_map(model_cfg.pattern))

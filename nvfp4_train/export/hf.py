@@ -46,10 +46,15 @@ The differences, and what the mapping does about each:
 - Mixture-of-experts blocks (``E``) and multi-token prediction layers have no counterpart here: refused.
 
 Dtypes: the tensors are written in the dtype they have (bf16 for a trained checkpoint); the import keeps them.
+
+The import checks every tensor's shape and dtype from the safetensors headers (the JSON header, no tensor data)
+against ``config.json`` before it reads a tensor or builds a model (:func:`check_hf_shapes`): a wrong width in
+either is one error naming the file, the tensor, both shapes and the fix, not a 17 GB allocation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -60,8 +65,9 @@ import torch
 from nvfp4_train.models.config import ModelConfig
 from nvfp4_train.models.pattern import ATTENTION, MAMBA, MLP
 
-__all__ = ["MODEL_TYPE", "hf_config", "model_config_from_hf", "to_hf_state", "from_hf_state", "save_hf",
-           "load_hf", "export_hf", "import_hf", "ARCHITECTURE_FIELDS"]
+__all__ = ["MODEL_TYPE", "hf_config", "model_config_from_hf", "expected_hf_shapes", "to_hf_state", "from_hf_state",
+           "save_hf", "check_new_folder", "read_hf_folder", "read_safetensors_header", "check_hf_shapes", "load_hf",
+           "export_hf", "import_hf", "ARCHITECTURE_FIELDS", "TensorHeader"]
 
 MODEL_TYPE = "nemotron_h"
 _ACT_TO_HF = {"squared_relu": "relu2", "gelu": "gelu"}
@@ -175,6 +181,10 @@ def model_config_from_hf(config: dict, *, name: str = "hf") -> ModelConfig:
         warnings.warn(f"config.json time_step_min={config['time_step_min']}: transformers clamps the Mamba dt "
                       f"from below at it, our mixer does not clamp (same function while dt stays above it)",
                       stacklevel=2)
+    missing = [k for k in ("hidden_size", "vocab_size") if not isinstance(config.get(k), int)]
+    if missing:
+        raise ValueError(f"config.json has no integer {' or '.join(missing)}: it does not describe a Nemotron-H "
+                         f"model; give the folder's original config.json")
     eps = config.get("layer_norm_epsilon", config.get("rms_norm_eps", 1e-5))
     has = {k: k in pattern for k in (MAMBA, ATTENTION, MLP)}
     heads = config.get("num_attention_heads")
@@ -204,6 +214,35 @@ def model_config_from_hf(config: dict, *, name: str = "hf") -> ModelConfig:
 _NORM_KEYS = {MAMBA: "norm.weight", ATTENTION: "input_layernorm.weight", MLP: "pre_mlp_layernorm.weight"}
 _MAMBA_SAME = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight",
                "out_proj.weight")
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the Hugging Face folder of ``cfg`` with its shape, in the order :func:`to_hf_state` writes
+    them, computed from the config alone (nothing allocated; ``tests/export/test_hf.py`` checks it against the
+    built model's tensors)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    out: dict[str, tuple[int, ...]] = {"model.embeddings.weight": (v, h)}
+    for i, kind in enumerate(cfg.hybrid_pattern().blocks):
+        p = f"model.layers.{i}."
+        out[p + "norm.weight"] = (h,)
+        if kind == MAMBA:
+            heads, d_in, conv = cfg.mamba_num_heads, cfg.mamba_d_inner, cfg.mamba_conv_dim
+            out.update({p + "mixer.in_proj.weight": (cfg.mamba_in_proj_width, h),
+                        p + "mixer.conv1d.weight": (conv, 1, cfg.mamba_conv_kernel)})
+            if cfg.mamba_conv_bias:
+                out[p + "mixer.conv1d.bias"] = (conv,)
+            out.update({p + "mixer.A_log": (heads,), p + "mixer.D": (heads,), p + "mixer.dt_bias": (heads,),
+                        p + "mixer.norm.weight": (d_in,), p + "mixer.out_proj.weight": (h, d_in)})
+        elif kind == ATTENTION:
+            kv = cfg.num_query_groups * cfg.kv_channels
+            out.update({p + "mixer.q_proj.weight": (cfg.attention_q_width, h), p + "mixer.k_proj.weight": (kv, h),
+                        p + "mixer.v_proj.weight": (kv, h), p + "mixer.o_proj.weight": (h, cfg.attention_q_width)})
+        else:
+            out.update({p + "mixer.up_proj.weight": (cfg.ffn_hidden_size, h),
+                        p + "mixer.down_proj.weight": (h, cfg.ffn_hidden_size)})
+    out["model.norm_f.weight"] = (h,)
+    out["lm_head.weight"] = (v, h)
+    return out
 
 
 def _qkv_rows(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,13 +299,18 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' Nemotron-H tensors -> our state dict (TP = PP = 1); the inverse of :func:`to_hf_state`."""
+    """transformers' Nemotron-H tensors -> our state dict (TP = PP = 1); the inverse of :func:`to_hf_state`.
+    A tensor of another shape than ``cfg`` gives it is an error naming it."""
     _check_exportable(cfg)
     used: set[str] = set()
+    shapes = expected_hf_shapes(cfg)
 
     def take(key: str) -> torch.Tensor:
         if key not in hf:
             raise ValueError(f"Hugging Face weights have no {key!r}: they are not model {cfg.name!r}")
+        if tuple(hf[key].shape) != shapes[key]:
+            raise ValueError(f"Hugging Face tensor {key} has shape {list(hf[key].shape)}, model {cfg.name!r} needs "
+                             f"{list(shapes[key])}")
         used.add(key)
         return hf[key]
 
@@ -293,7 +337,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
     if cfg.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = take("lm_head.weight")
     elif "lm_head.weight" in hf:
-        used.add("lm_head.weight")
+        take("lm_head.weight")
         if not torch.equal(hf["lm_head.weight"], out["embedding.word_embeddings.weight"]):
             raise ValueError("config.json says tie_word_embeddings=true but lm_head.weight differs from "
                              "model.embeddings.weight")
@@ -304,13 +348,22 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 
 
 # ------------------------------------------------------------------------------------------------ files
+def check_new_folder(out: str | Path) -> Path:
+    """``out`` as a folder the export may write: new, or a folder that holds no model yet (checked before any
+    work, so that nothing already there is overwritten)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a folder: give a new folder for the export")
+    if (out / "config.json").exists() or (out / SAFETENSORS_NAME).exists():
+        raise ValueError(f"{out} already holds a model (config.json / {SAFETENSORS_NAME}): give a new folder")
+    return out
+
+
 def save_hf(out: str | Path, config: dict, tensors: dict[str, torch.Tensor], *, metadata: dict | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into ``out`` (created; must not hold a model already)."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    if (out / "config.json").exists() or (out / SAFETENSORS_NAME).exists():
-        raise ValueError(f"{out} already holds a model (config.json / {SAFETENSORS_NAME}): give a new folder")
+    out = check_new_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (SAFETENSORS_NAME + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
@@ -321,15 +374,89 @@ def save_hf(out: str | Path, config: dict, tensors: dict[str, torch.Tensor], *, 
     return out
 
 
-def load_hf(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, all tensors) of a Hugging Face model folder (one or several ``*.safetensors``)."""
-    from safetensors.torch import load_file
+# safetensors dtype names -> bytes per element; the import takes the floating-point ones
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ST_FLOAT = ("BF16", "F16", "F32", "F64")
+_ST_MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
 
+
+@dataclasses.dataclass(frozen=True)
+class TensorHeader:
+    """One tensor as a safetensors header describes it (no data read)."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorHeader]:
+    """The tensors a ``.safetensors`` file holds, from its JSON header alone (8-byte little-endian length, then
+    the JSON), checked against the file's size: an error names the file, the problem and the fix."""
+    path = Path(path)
+    fix = "re-download or re-save the file"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {size} bytes, shorter than a safetensors header's 8-byte length: not a "
+                             f"safetensors file; {fix}")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _ST_MAX_HEADER):
+            raise ValueError(f"{path}: its header length field says {n} bytes, the file has {size}: truncated or "
+                             f"not a safetensors file; {fix}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: the safetensors header is not valid JSON ({e}); {fix}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object; {fix}")
+    data_size = size - 8 - n
+    out: dict[str, TensorHeader] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            ok = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape) and \
+                isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{path}: tensor {name!r} has no valid dtype/shape/data_offsets in the header "
+                             f"({entry!r:.120}); {fix}")
+        if dtype not in _ST_ITEMSIZE:
+            raise ValueError(f"{path}: tensor {name} has dtype {dtype}, which the import does not read (it takes "
+                             f"{', '.join(_ST_FLOAT)}): import the high-precision (bf16) weights")
+        need = _ST_ITEMSIZE[dtype]
+        for d in shape:
+            need *= d
+        if end - begin != need:
+            raise ValueError(f"{path}: tensor {name} is {dtype} {list(shape)} ({need} bytes) but its data_offsets "
+                             f"span {end - begin} bytes: a corrupt header; {fix}")
+        if end > data_size:
+            raise ValueError(f"{path}: tensor {name} ends at data byte {end}, the file holds {data_size}: "
+                             f"truncated; {fix}")
+        out[name] = TensorHeader(file=path, dtype=dtype, shape=shape)
+    return out
+
+
+def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorHeader]]:
+    """(config.json, every tensor's header) of a Hugging Face Nemotron-H folder (one or several
+    ``*.safetensors``); reads no tensor data. Errors name the file and the fix."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder: give a Hugging Face model folder")
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: give a Hugging Face model folder")
-    config = json.loads(cfg_path.read_text())
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path} is not valid JSON ({e}): give the folder's original config.json") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path} is not a JSON object: give the folder's original config.json")
     if config.get("model_type") != MODEL_TYPE:
         raise ValueError(f"{cfg_path}: model_type={config.get('model_type')!r}, not {MODEL_TYPE!r} (Nemotron-H): "
                          f"only Nemotron-H folders import")
@@ -338,11 +465,64 @@ def load_hf(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
                          f"the high-precision (bf16) weights")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
+        raise FileNotFoundError(f"{folder} has no *.safetensors files: give the folder with the model's weights")
+    headers: dict[str, TensorHeader] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
-    return config, tensors
+        for name, t in read_safetensors_header(f).items():
+            if name in headers:
+                raise ValueError(f"tensor {name} is in both {headers[name].file} and {f}: remove the stale file")
+            headers[name] = t
+    return config, headers
+
+
+def check_hf_shapes(cfg: ModelConfig, headers: dict[str, TensorHeader], *, config_name: str = "config.json") -> None:
+    """Every tensor the model of ``cfg`` needs is in ``headers`` with its shape and a floating-point dtype, and
+    nothing else is (multi-token-prediction ``mtp.*`` tensors aside; a tied model's ``lm_head`` is optional).
+    Checked on the headers, before any model or tensor is allocated; the error (one line) names the file, the
+    tensor, the expected and the found shape, and the fix."""
+    expected = expected_hf_shapes(cfg)
+    folder = next(iter(headers.values())).file.parent if headers else Path(".")
+    problems: list[str] = []
+    for name, shape in expected.items():
+        t = headers.get(name)
+        if t is None:
+            if name == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights:
+                continue
+            problems.append(f"{folder}: no file has tensor {name}, which {config_name} gives shape {list(shape)}: "
+                            f"the weights are incomplete or of another model")
+        elif t.shape != shape:
+            problems.append(f"{t.file}: tensor {name} has shape {list(t.shape)}, {config_name} gives it "
+                            f"{list(shape)}: {config_name} does not describe these weights; use the "
+                            f"config.json they were saved with")
+        elif t.dtype not in _ST_FLOAT:
+            problems.append(f"{t.file}: tensor {name} is {t.dtype}, not a floating-point type: import the "
+                            f"high-precision (bf16) weights")
+    for name, t in headers.items():
+        if name not in expected and not name.startswith("mtp."):
+            problems.append(f"{t.file}: tensor {name} {list(t.shape)} is not part of the model {config_name} "
+                            f"describes: the weights are of another model, or {config_name} is not theirs")
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise ValueError(problems[0] + more)
+
+
+def _load_tensors(headers: dict[str, TensorHeader]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted({t.file for t in headers.values()}):
+        try:
+            tensors.update(load_file(str(f)))
+        except SafetensorError as e:
+            raise ValueError(f"{f}: safetensors cannot read it ({e}); re-download or re-save the file") from None
+    return tensors
+
+
+def load_hf(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, all tensors) of a Hugging Face model folder (one or several ``*.safetensors``)."""
+    config, headers = read_hf_folder(folder)
+    return config, _load_tensors(headers)
 
 
 def _tokenizer_ids(run_config: dict) -> dict:
@@ -361,6 +541,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
 
     from nvfp4_train.export.checkpoint_io import load_checkpoint_model
 
+    check_new_folder(out)
     info, state = load_checkpoint_model(checkpoint)
     ids = _tokenizer_ids(info.config)
     seq = int(info.config.get("data", {}).get("seq_length", 4096))
@@ -383,9 +564,10 @@ def import_hf(folder: str | Path, out: str | Path, *, model: str | None = None,
     checkpoint then records that size's config (so ``train.py model=12b`` resumes it). Without it the config is
     derived from config.json (name ``hf``)."""
     from nvfp4_train.models.config import model_config
-    from nvfp4_train.export.checkpoint_io import write_training_checkpoint
+    from nvfp4_train.export.checkpoint_io import check_new_checkpoint_root, write_training_checkpoint
 
-    config, tensors = load_hf(folder)
+    check_new_checkpoint_root(out)
+    config, headers = read_hf_folder(folder)
     derived = model_config_from_hf(config)
     if model is not None:
         target = model_config(model)
@@ -394,7 +576,8 @@ def import_hf(folder: str | Path, out: str | Path, *, model: str | None = None,
         if diff:
             raise ValueError(f"{folder} is not our {model!r}: " + "; ".join(diff))
         derived = target
-    state = from_hf_state(derived, tensors)
+    check_hf_shapes(derived, headers)  # from the headers, before any tensor or model is allocated
+    state = from_hf_state(derived, _load_tensors(headers))
     recorded = [f"model={model}"] if model is not None else []
     if not any(o.startswith("data.seq_length=") for o in overrides):  # the export writes it back
         recorded.append(f"data.seq_length={int(config.get('max_position_embeddings', 4096))}")

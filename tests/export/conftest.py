@@ -22,14 +22,14 @@ def train_tiny(out: Path, *extra: str, nproc: int = 1) -> Path:
     return out / "run"
 
 
-def nemotron_h():
-    """transformers' ``(NemotronHConfig, NemotronHForCausalLM)``.
+def import_off_root(name: str, *attributes: str) -> tuple:
+    """``importlib.import_module(name)`` and its ``attributes`` (a lazy module imports a submodule on attribute
+    access), with the repository root off ``sys.path``, as a user's process outside the checkout imports them.
 
     transformers 5.25 imports the ``kernels`` distribution (Hugging Face's hub kernels, a requirement of it since
-    that release) when a model module loads. Under pytest the repository root is on ``sys.path`` ahead of
-    site-packages, and the root holds our own ``kernels/`` folder (installed as ``nvfp4_train.kernels``; nothing
-    imports it by its top-level name), which would shadow it. The models are imported with the root off the path,
-    as a user's process outside the checkout imports them."""
+    that release) when a model module loads, and nvidia-modelopt imports transformers. Under pytest the repository
+    root is on ``sys.path`` ahead of site-packages, and the root holds our own ``kernels/`` folder (installed as
+    ``nvfp4_train.kernels``; nothing imports it by its top-level name), which would shadow it."""
     import importlib
     import os
     import sys
@@ -41,7 +41,12 @@ def nemotron_h():
     saved = list(sys.path)
     sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root]
     try:
-        module = importlib.import_module("transformers")
-        return module.NemotronHConfig, module.NemotronHForCausalLM
+        module = importlib.import_module(name)
+        return tuple(getattr(module, a) for a in attributes)
     finally:
         sys.path[:] = saved
+
+
+def nemotron_h():
+    """transformers' ``(NemotronHConfig, NemotronHForCausalLM)`` (imported off the root: :func:`import_off_root`)."""
+    return import_off_root("transformers", "NemotronHConfig", "NemotronHForCausalLM")

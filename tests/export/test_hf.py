@@ -5,6 +5,7 @@ clear error."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from nvfp4_train.models.config import model_config
-from nvfp4_train.export.hf import (ARCHITECTURE_FIELDS, from_hf_state, hf_config, model_config_from_hf,
-                                   to_hf_state)
+from nvfp4_train.export.hf import (ARCHITECTURE_FIELDS, expected_hf_shapes, from_hf_state, hf_config,
+                                   model_config_from_hf, to_hf_state)
 from tests.export.conftest import HYBRID_TINY, nemotron_h
+from tests.export.test_nvfp4 import assert_no_third_party_warning
 from tests.precision.mcore_util import megatron_single_rank
 from tests.trainer.runs import ROOT, env, run, tail
 
@@ -88,7 +90,10 @@ def _assert_same_function(ours: torch.Tensor, hf_model, ids) -> None:
 def test_transformers_computes_our_logits(single_rank, gen, size, seq, variant):
     mc = model_config(size).replace(**variant)
     ours, state = _ours(mc, gen)
-    hf = _hf_model(mc, to_hf_state(mc, state))
+    tensors = to_hf_state(mc, state)
+    # the shapes the import checks from safetensors headers before it allocates anything: the built model's
+    assert [(k, tuple(v.shape)) for k, v in tensors.items()] == list(expected_hf_shapes(mc).items())
+    hf = _hf_model(mc, tensors)
     ids = torch.randint(0, mc.vocab_size, (2, seq), generator=gen)
     _assert_same_function(_logits_ours(ours, ids), hf, ids)
 
@@ -136,7 +141,9 @@ def test_foreign_config_is_refused():
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "nvfp4_train.export", *map(str, args)], cwd=ROOT, env=env(),
+    e = env()
+    e.pop("PYTHONWARNINGS", None)  # the user's warning filters would switch the routing off
+    return subprocess.run([sys.executable, "-m", "nvfp4_train.export", *map(str, args)], cwd=ROOT, env=e,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -159,6 +166,7 @@ def test_export_loads_in_transformers_import_round_trips_and_resumes(trained_tin
     # import, export again: bitwise the same folder
     r = _cli("import", "hf", out, tmp_path / "imported", "--model", "tiny")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert_no_third_party_warning(r.stderr)  # megatron-core's are routed as train.py routes them
     ckpt = tmp_path / "imported" / "step_0000000"
     again = export_hf(ckpt, tmp_path / "hf2")
     a, b = load_file(str(out / "model.safetensors")), load_file(str(again / "model.safetensors"))
@@ -213,3 +221,98 @@ def test_a_tensor_parallel_checkpoint_exports(tmp_path, single_rank, gen):
     ours.load_state_dict(state, strict=False)
     ids = torch.randint(0, info.model.vocab_size, (1, 32), generator=gen)
     _assert_same_function(_logits_ours(ours, ids), hf, ids)
+
+
+# ------------------------------------------------------------------------------------------------ import-hf
+def _hf_folder(path, mc, *, config: dict | None = None, shapes: dict | None = None, drop: tuple = (),
+               extra: dict | None = None):
+    """A Nemotron-H folder of ``mc`` (constant bf16 tensors), with config.json keys, tensor shapes changed."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    want = {**expected_hf_shapes(mc), **(shapes or {})}
+    tensors = {k: torch.full(s, 0.25, dtype=torch.bfloat16) for k, s in want.items() if k not in drop}
+    tensors.update(extra or {})
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**hf_config(mc), **(config or {})}))
+    return path
+
+
+@pytest.fixture
+def no_model_built(monkeypatch):
+    """Fails the test if the import allocates a model or reads tensor data."""
+    import nvfp4_train.export.checkpoint_io as cio
+    import nvfp4_train.export.hf as hfmod
+
+    def refuse(*a, **k):
+        raise AssertionError("the import built a model or read tensor data before checking the shapes")
+
+    monkeypatch.setattr(cio, "build_model_single", refuse)
+    monkeypatch.setattr(cio, "write_training_checkpoint", refuse)
+    monkeypatch.setattr(hfmod, "_load_tensors", refuse)
+
+
+def _import_error(folder, out, **kw) -> str:
+    from nvfp4_train.export.hf import import_hf
+
+    with pytest.raises(ValueError) as e:
+        import_hf(folder, out, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_import_checks_every_shape_from_the_headers_first(tmp_path, no_model_built):
+    """Each problem: one line naming the file, the tensor, expected vs found and the fix, before any tensor data
+    is read or a model allocated (hidden_size 262144 would allocate a 17 GB model)."""
+    mc = model_config("tiny")
+    st = "model.safetensors"
+    # a config.json whose hidden_size is not the weights'
+    bad = _hf_folder(tmp_path / "wide", mc, config={"hidden_size": 262144})
+    msg = _import_error(bad, tmp_path / "o1")
+    assert msg.startswith(f"{bad / st}: tensor model.embeddings.weight has shape [32768, 128], config.json "
+                          f"gives it [32768, 262144]: "), msg
+    assert "more problem" in msg and "config.json does not describe these weights" in msg
+    # a wrong q_proj (was a RuntimeError inside the q/k/v assembly)
+    q = "model.layers.2.mixer.q_proj.weight"
+    bad = _hf_folder(tmp_path / "q", mc, shapes={q: (mc.attention_q_width - 8, mc.hidden_size)})
+    msg = _import_error(bad, tmp_path / "o2", model="tiny")
+    assert msg.startswith(f"{bad / st}: tensor {q} has shape [{mc.attention_q_width - 8}, 128], config.json "
+                          f"gives it [{mc.attention_q_width}, 128]"), msg
+    # a missing and a foreign tensor, a quantized dtype
+    bad = _hf_folder(tmp_path / "miss", mc, drop=("model.norm_f.weight",))
+    assert _import_error(bad, tmp_path / "o3").startswith(f"{bad}: no file has tensor model.norm_f.weight, which "
+                                                          f"config.json gives shape [128]")
+    bad = _hf_folder(tmp_path / "extra", mc, extra={"model.layers.9.mixer.D": torch.zeros(8)})
+    assert _import_error(bad, tmp_path / "o4").startswith(f"{bad / st}: tensor model.layers.9.mixer.D [8] is not part")
+    bad = _hf_folder(tmp_path / "u8", mc, drop=("model.norm_f.weight",),
+                     extra={"model.norm_f.weight": torch.zeros(128, dtype=torch.uint8)})
+    assert "tensor model.norm_f.weight is U8, not a floating-point type" in _import_error(bad, tmp_path / "o5")
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda b: b[:5], r"shorter than a safetensors header's 8-byte length"),
+    (lambda b: (10**12).to_bytes(8, "little") + b[8:], r"header length field says 1000000000000 bytes"),
+    (lambda b: b[:8] + b"{" * int.from_bytes(b[:8], "little") + b[8 + int.from_bytes(b[:8], "little"):],
+     r"the safetensors header is not valid JSON"),
+    (lambda b: b[:-100], r"truncated; re-download or re-save the file"),
+])
+def test_import_names_a_damaged_safetensors_file(tmp_path, no_model_built, damage, match):
+    mc = model_config("tiny")
+    folder = _hf_folder(tmp_path / "hf", mc)
+    f = folder / "model.safetensors"
+    f.write_bytes(damage(f.read_bytes()))
+    msg = _import_error(folder, tmp_path / "out")
+    assert msg.startswith(f"{f}: ") and re.search(match, msg), msg
+
+
+def test_import_cli_error_is_one_line(tmp_path):
+    mc = model_config("tiny")
+    folder = _hf_folder(tmp_path / "hf", mc, config={"hidden_size": 262144})
+    r = _cli("import-hf", folder, tmp_path / "out")
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and "model.embeddings.weight" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert str(folder / "model.safetensors") in lines[0]
+    assert not (tmp_path / "out").exists()
