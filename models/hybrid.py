@@ -189,6 +189,32 @@ class HybridModel(MambaModel):
         loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group, inplace_backward=True)
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
 
+    def forward_cached(self, input_ids: torch.Tensor, state) -> torch.Tensor:
+        """Logits [b, vocab] at the last of ``input_ids`` [b, s], the positions that follow the ``state.length``
+        ones ``state`` (a :class:`nvfp4_train.models.decode.DecodeState`) holds; ``state`` then holds them too.
+        Incremental decoding: the prompt in one call, then one token per call. The same embedding, blocks and output
+        layer as :meth:`forward` (RoPE at the positions' absolute indices; megatron-core 0.19's ``_scale_logits`` is
+        the identity for our configs, which never set ``use_mup``). Eval mode, TP = PP = 1."""
+        from nvfp4_train.models.decode import attached
+
+        if self.training:
+            raise ValueError("forward_cached is for inference: call model.eval() first")
+        if not (self.pre_process and self.post_process) or self.config.tensor_model_parallel_size != 1:
+            raise ValueError("forward_cached needs the whole model in one process (TP = PP = 1)")
+        b, s = input_ids.shape
+        start = state.length
+        if s < 1 or start + s > state.max_length:
+            raise ValueError(f"{s} new positions after {start} exceed the decode state's {state.max_length}")
+        positions = torch.arange(start, start + s, device=input_ids.device)[None].expand(b, s)
+        hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [s, b, h]
+        rotary = self.rotary_pos_emb(start + s)[start:] if self.position_embedding_type == "rope" else None
+        with attached(self, state):
+            hidden = self.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
+        state.length = start + s
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden[-1:], weight=weight)
+        return logits[0]
+
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward) of the whole model, all stages."""
         from nvfp4_train.models.flops import training_flops_per_token

@@ -20,6 +20,10 @@ op ``MambaSplitConv1dScanCombinedFn`` is built from -- causal-conv1d's ``cpp_fun
 (:func:`load_fused_mamba`). They are private to mamba-ssm 2.3.2 (the pinned version, ``pyproject.toml``);
 a version without them gives ``(None, reason)`` and the unfused path.
 
+Incremental decoding's one-token steps use mamba-ssm's ``selective_state_update`` (a Triton kernel, loaded the
+same way: :func:`load_selective_state_update`) and causal-conv1d's ``causal_conv1d_update``
+(:func:`load_causal_conv1d_update`), each ``(fn, reason)`` like the loaders above.
+
 The consequence, within one process: after :func:`load_mamba_ssm` has succeeded, ``import mamba_ssm`` gives
 that bare package, so ``from mamba_ssm import Mamba2`` raises ImportError (in a pure-Python install it would
 raise anyway, for ``selective_scan_cuda``). Code that wants the complete package on a full CUDA build must
@@ -167,3 +171,32 @@ def load_fused_mamba() -> tuple[FusedMambaOps | None, str]:
         return None, (f"mamba-ssm {mamba.version} / causal-conv1d {conv.version} lack the fused op's launchers "
                       f"(pin mamba-ssm==2.3.2.post1, causal-conv1d==1.7.0): {type(e).__name__}: {e}")
     return ops, f"fused conv + scan + gated norm from mamba-ssm {mamba.version} and causal-conv1d {conv.version}"
+
+
+@functools.cache
+def load_selective_state_update() -> tuple[Callable | None, str]:
+    """mamba-ssm's one-token SSM step ``selective_state_update(state, x, dt, A, B, C, D=, z=, dt_bias=,
+    dt_softplus=)`` (Triton), or ``(None, reason)``."""
+    mamba, reason = load_mamba_ssm()
+    if mamba is None:
+        return None, reason
+    try:
+        mod = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
+        fn = mod.selective_state_update
+    except Exception as e:  # noqa: BLE001 - any failure means "use the PyTorch step", with the reason
+        return None, f"mamba-ssm {mamba.version} has no usable selective_state_update: {type(e).__name__}: {e}"
+    return fn, f"mamba-ssm {mamba.version} selective_state_update"
+
+
+@functools.cache
+def load_causal_conv1d_update() -> tuple[Callable | None, str]:
+    """causal-conv1d's one-token convolution step ``causal_conv1d_update(x, conv_state, weight, bias=,
+    activation=)`` (CUDA), or ``(None, reason)``."""
+    conv, reason = load_causal_conv1d()
+    if conv is None:
+        return None, reason
+    try:
+        fn = importlib.import_module("causal_conv1d").causal_conv1d_update
+    except Exception as e:  # noqa: BLE001
+        return None, f"causal-conv1d {conv.version} has no causal_conv1d_update: {type(e).__name__}: {e}"
+    return fn, f"causal-conv1d {conv.version} causal_conv1d_update"

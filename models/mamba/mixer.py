@@ -49,6 +49,13 @@ path did (6.4 ms -> 0.8 ms at 4 TB/s) and launches 4 x 48 = 192 fewer kernels (o
 and norm kernels themselves are the same in every row. Transposing at the narrow ends instead (in_proj fed
 [b, s, h], 4T x 512 each way) would reorder the tokens inside in_proj's and out_proj's weight-gradient GEMMs,
 whose quantized operands are blocked along the tokens, and is impossible under sequence parallelism.
+
+Incremental decoding (:mod:`nvfp4_train.models.decode`) gives the mixer a :class:`MambaDecodeCache` for the length of
+one generation (``decode_cache``; None, the default, in training and every full-sequence forward). The core then runs
+with the layer's recurrent state: the first chunk (the prompt) through ``ops.mamba_conv_scan_norm_chunk``, which
+also returns the conv inputs of the last ``width - 1`` positions and the SSM state; each later single position
+through ``ops.mamba_conv_scan_norm_step`` (causal-conv1d's ``causal_conv1d_update`` and mamba-ssm's
+``selective_state_update`` on CUDA, their PyTorch steps otherwise), which updates both in place.
 """
 
 from __future__ import annotations
@@ -65,9 +72,27 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from nvfp4_train.models.layers import param_device
-from nvfp4_train.models.mamba.ops import init_A_log, init_D, init_dt_bias, mamba_conv_scan_norm
+from nvfp4_train.models.mamba.ops import (
+    init_A_log,
+    init_D,
+    init_dt_bias,
+    mamba_conv_scan_norm,
+    mamba_conv_scan_norm_chunk,
+    mamba_conv_scan_norm_step,
+)
 
-__all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaLayer", "MambaLayerSubmodules"]
+__all__ = ["MambaMixer", "MambaMixerSubmodules", "MambaLayer", "MambaLayerSubmodules", "MambaDecodeCache"]
+
+
+class MambaDecodeCache:
+    """The recurrent state of one Mamba mixer for the positions decoded so far: ``conv`` [b, conv channels,
+    width - 1] (the conv inputs of the last width - 1 positions, in in_proj's output dtype) and ``ssm``
+    [b, heads, headdim, state] (float32; float64 in a float64 model); both None before the first position."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.conv: torch.Tensor | None = None
+        self.ssm: torch.Tensor | None = None
 
 
 @dataclass
@@ -170,15 +195,32 @@ class MambaMixer(MegatronModule):
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=True,
             is_expert=False, tp_comm_buffer_name="fc2", tp_group=self.tp_group,
         )
+        self.decode_cache: MambaDecodeCache | None = None  # set only while decoding (nvfp4_train.models.decode)
 
     def forward(self, hidden_states: torch.Tensor, **_unused) -> tuple[torch.Tensor, None]:
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, w] (the full sequence under SP)
+        if self.decode_cache is not None:
+            return self.out_proj(self._decode_core(zxbcdt, self.decode_cache))
         y = mamba_conv_scan_norm(
             zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias.float(),
             -torch.exp(self.A_log.float()), self.D.float(), self.norm.weight, headdim=self.head_dim,
             ngroups=self.ngroups_local, chunk_size=self.chunk_size, eps=self.eps, fused=self.fused,
         )  # [s, b, d]: this rank's heads and groups
         return self.out_proj(y)
+
+    def _decode_core(self, zxbcdt: torch.Tensor, cache: MambaDecodeCache) -> torch.Tensor:
+        """The core with ``cache``'s state (module docstring): one position after others steps, else a chunk."""
+        params = (self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias.float(), -torch.exp(self.A_log.float()),
+                  self.D.float(), self.norm.weight)
+        if cache.length and zxbcdt.shape[0] == 1:
+            y = mamba_conv_scan_norm_step(zxbcdt, *params, headdim=self.head_dim, ngroups=self.ngroups_local,
+                                          eps=self.eps, conv_state=cache.conv, ssm_state=cache.ssm)
+        else:
+            y, cache.conv, cache.ssm = mamba_conv_scan_norm_chunk(
+                zxbcdt, *params, headdim=self.head_dim, ngroups=self.ngroups_local, chunk_size=self.chunk_size,
+                eps=self.eps, conv_state=cache.conv, ssm_state=cache.ssm)
+        cache.length += zxbcdt.shape[0]
+        return y
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron-core's checkpoint layout for a Mamba mixer: per-head tensors and conv channels sharded

@@ -10,6 +10,9 @@ op                  CUDA (optional package)                     fallback (any de
 ``ssd_scan``        mamba-ssm ``mamba_chunk_scan_combined``     :func:`nvfp4_train.models.mamba.ssd.ssd_chunked_scan`
 ``causal_conv1d``   causal-conv1d ``causal_conv1d_fn``          :func:`causal_conv1d_ref`
 ``rmsnorm_gated``   mamba-ssm ``layernorm_gated.rmsnorm_fn``    :func:`rmsnorm_gated_ref`
+``ssd_step``        mamba-ssm ``selective_state_update``        :func:`nvfp4_train.models.mamba.ssd.ssd_step_ref`
+``causal_conv1d_    causal-conv1d ``causal_conv1d_update``      :func:`causal_conv1d_update_ref`
+update``
 ==================  ==========================================  ==========================================
 
 A CUDA input that falls back warns once per op, naming the reason (the fallbacks are slow at scale).
@@ -19,6 +22,11 @@ gated norm on megatron's sequence-first ``[s, b, .]`` tensors): on CUDA the fuse
 :func:`mamba_conv_scan_norm_fused` (mamba-ssm's fused training op laid out sequence-first, see
 :class:`_ConvScanNormFn`), else the three ops above in sequence; :func:`mamba_conv_scan_norm_ref` is its
 pure-PyTorch reference.
+
+Incremental decoding (:mod:`nvfp4_train.models.decode`) runs the same core with the layer's recurrent state: a chunk
+of positions (the prompt) through :func:`mamba_conv_scan_norm_chunk` (the three ops, starting from and returning
+the conv inputs of the last ``width - 1`` positions and the SSM state), then one position at a time through
+:func:`mamba_conv_scan_norm_step` (``causal_conv1d_update`` and ``ssd_step``, which update both states in place).
 
 Initialisation (Mamba-2's, as in mamba-ssm's ``Mamba2`` and megatron-core's ``MambaMixer``):
 ``init_dt_bias`` (dt log-uniform in [dt_min, dt_max], floored, stored as its inverse softplus),
@@ -35,8 +43,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from nvfp4_train.models.mamba._import import FusedMambaOps, load_causal_conv1d, load_fused_mamba, load_mamba_ssm
-from nvfp4_train.models.mamba.ssd import ssd_chunked_scan
+from nvfp4_train.models.mamba._import import (
+    FusedMambaOps,
+    load_causal_conv1d,
+    load_causal_conv1d_update,
+    load_fused_mamba,
+    load_mamba_ssm,
+    load_selective_state_update,
+)
+from nvfp4_train.models.mamba.ssd import ssd_chunked_scan, ssd_step_ref
 
 __all__ = [
     "ssd_scan",
@@ -47,6 +62,11 @@ __all__ = [
     "mamba_conv_scan_norm",
     "mamba_conv_scan_norm_fused",
     "mamba_conv_scan_norm_ref",
+    "ssd_step",
+    "causal_conv1d_update",
+    "causal_conv1d_update_ref",
+    "mamba_conv_scan_norm_chunk",
+    "mamba_conv_scan_norm_step",
     "init_dt_bias",
     "init_A_log",
     "init_D",
@@ -451,6 +471,157 @@ def mamba_conv_scan_norm(
             warnings.warn(f"mamba_conv_scan_norm: fused=True but running the unfused ops ({reason})", stacklevel=2)
     return _conv_scan_norm(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups, chunk_size,
                            eps, dt_limit, causal_conv1d, ssd_scan, rmsnorm_gated)
+
+
+# ------------------------------------------------------------ incremental decoding: chunk and one-token step
+
+
+def ssd_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """One position of the SSD recurrence, ``state`` [b, h, p, n] updated in place (arguments and result as
+    :func:`~nvfp4_train.models.mamba.ssd.ssd_step_ref`). On CUDA with mamba-ssm: its ``selective_state_update``
+    kernel (fp32 inside, the output rounded to x's dtype; it applies no ``dt_limit`` clamp, so a limit other than
+    the default (0, inf), which softplus already meets, runs the PyTorch step)."""
+    if x.is_cuda and tuple(dt_limit) == (0.0, float("inf")) and (D is None or D.dim() == 1):
+        fn, reason = load_selective_state_update()
+        if fn is not None:
+            h, p, n = x.shape[1], x.shape[2], state.shape[-1]
+            # per-head values broadcast over the head's channels (stride 0): the kernel's one-dt-per-head path
+            return fn(state, x, dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n), B, C,
+                      D=None if D is None else D[:, None].expand(h, p), z=None,
+                      dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p), dt_softplus=dt_softplus)
+        _warn_fallback("ssd_step", reason)
+    return ssd_step_ref(state, x, dt, A, B, C, D, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+
+
+def causal_conv1d_update_ref(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """The convolution's output at one new position: x [batch, dim] (the new input), ``conv_state``
+    [batch, dim, width - 1] (the inputs of the positions before it, oldest first; zeros before the start), updated in
+    place to end with x. The arithmetic of :func:`causal_conv1d_ref` at that position (float32, the same order of
+    multiply-adds), returned in x's dtype."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    width = weight.shape[1]
+    if x.dim() != 2 or conv_state.shape != (*x.shape, width - 1) or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"expected x [batch, dim], conv_state [batch, dim, width - 1] and weight [dim, width], got "
+                         f"x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}")
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    window = torch.cat([conv_state, x[..., None].to(conv_state.dtype)], dim=-1)  # [b, dim, width]
+    conv_state.copy_(window[..., 1:])
+    win, w = window.to(cdt), weight.to(cdt)
+    out = w[:, 0] * win[..., 0]
+    for k in range(1, width):
+        out = out + w[:, k] * win[..., k]
+    if bias is not None:
+        out = out + bias.to(cdt)
+    if activation is not None:
+        out = F.silu(out)
+    return out.to(x.dtype)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """:func:`causal_conv1d_update_ref`'s step; causal-conv1d's CUDA kernel when installed and usable (CUDA input,
+    width 2..4, fp32/fp16/bf16, the state in x's dtype)."""
+    if x.is_cuda:
+        fn, reason = load_causal_conv1d_update()
+        usable = (2 <= weight.shape[1] <= 4 and x.dtype in _CONV_KERNEL_DTYPES and conv_state.dtype == x.dtype
+                  and weight.dtype in _CONV_KERNEL_DTYPES and (bias is None or bias.dtype == weight.dtype))
+        if fn is not None and usable:
+            return fn(x.contiguous(), conv_state, weight, bias, activation=activation)
+        _warn_fallback("causal_conv1d_update", reason if fn is None else
+                       f"kernel needs width 2..4 and fp32/fp16/bf16 with the state in x's dtype; got width "
+                       f"{weight.shape[1]}, x {x.dtype}, state {conv_state.dtype}, weight {weight.dtype}")
+    return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
+
+
+def mamba_conv_scan_norm_chunk(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    headdim: int,
+    ngroups: int,
+    chunk_size: int,
+    eps: float = 1e-5,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    conv_state: torch.Tensor | None = None,
+    ssm_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The core (:func:`mamba_conv_scan_norm`'s arguments) over the positions of ``zxbcdt`` [s, b, .] that follow a
+    sequence whose conv inputs and SSM state are ``conv_state`` [b, d + 2gn, width - 1] and ``ssm_state``
+    [b, h, headdim, n] (None, None: the start of a sequence). Returns (out [s, b, d], the new conv state, the new
+    SSM state: float32, float64 for float64 inputs). From the start this is the unfused path's three ops, so on
+    CPU the output is bitwise :func:`mamba_conv_scan_norm`'s."""
+    d, cd, h = _core_sizes(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups)
+    if (conv_state is None) != (ssm_state is None):
+        raise ValueError("conv_state and ssm_state go together: both None (the start of a sequence) or both given")
+    keep = conv_weight.shape[1] - 1  # positions of conv input the next position's window needs
+    z, xbc, dt = torch.split(zxbcdt, [d, cd, h], dim=-1)
+    xbc = xbc.permute(1, 2, 0)  # [b, cd, s], read in place as the unfused path does
+    if conv_state is None:
+        conv = causal_conv1d(xbc, conv_weight, conv_bias, activation="silu")
+        inputs = F.pad(xbc, (keep, 0))  # zeros before the start
+    else:
+        inputs = torch.cat([conv_state.to(xbc.dtype), xbc], dim=-1)
+        conv = causal_conv1d(inputs, conv_weight, conv_bias, activation="silu")[..., keep:]
+    x, B, C = _xbc_parts(conv, d, h, headdim, ngroups)
+    y, final = ssd_scan(x, dt.transpose(0, 1), A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=ssm_state,
+                        dt_softplus=True, dt_limit=dt_limit, return_final_states=True)
+    y = y.flatten(-2).transpose(0, 1).contiguous()
+    out = rmsnorm_gated(y, z, norm_weight, eps, group_size=d // ngroups)
+    return out, inputs[..., inputs.shape[-1] - keep:].contiguous(), final
+
+
+def mamba_conv_scan_norm_step(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    headdim: int,
+    ngroups: int,
+    eps: float = 1e-5,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> torch.Tensor:
+    """The core at ONE new position, ``zxbcdt`` [1, b, .], after the positions whose states ``conv_state`` and
+    ``ssm_state`` hold (as :func:`mamba_conv_scan_norm_chunk` returns them); both are updated in place. Returns out
+    [1, b, d]: :func:`causal_conv1d_update`, :func:`ssd_step` and :func:`rmsnorm_gated`, each rounding its result to
+    zxbcdt's dtype where the full-sequence ops do."""
+    d, cd, h = _core_sizes(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, headdim, ngroups)
+    if zxbcdt.shape[0] != 1:
+        raise ValueError(f"mamba_conv_scan_norm_step takes one position, got zxbcdt {tuple(zxbcdt.shape)}")
+    z, xbc, dt = torch.split(zxbcdt[0], [d, cd, h], dim=-1)  # [b, .]
+    xbc = causal_conv1d_update(xbc, conv_state, conv_weight, conv_bias, activation="silu")
+    x, B, C = torch.split(xbc, [d, (cd - d) // 2, (cd - d) // 2], dim=-1)
+    y = ssd_step(ssm_state, x.unflatten(-1, (h, headdim)), dt, A, B.unflatten(-1, (ngroups, -1)),
+                 C.unflatten(-1, (ngroups, -1)), D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit)
+    return rmsnorm_gated(y.flatten(-2)[None], z[None], norm_weight, eps, group_size=d // ngroups)
 
 
 # ------------------------------------------------------------------------------- initialisation

@@ -45,7 +45,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ssd_chunked_scan", "ssd_sequential_ref"]
+__all__ = ["ssd_chunked_scan", "ssd_sequential_ref", "ssd_step_ref"]
 
 
 def _check_inputs(x, dt, A, B, C, D, z, dt_bias, initial_states) -> tuple[int, int, int, int, int, int]:
@@ -228,3 +228,38 @@ def ssd_sequential_ref(
     if return_final_states:
         return out, S
     return out
+
+
+def ssd_step_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    *,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """One position of the recurrence (incremental decoding): ``state`` [b, h, p, n] (float32, or float64 for
+    float64 inputs; the scans' final state) is updated in place to S_t; x [b, h, p], dt [b, h], A [h], B and C
+    [b, g, n], D [h] or [h, p], dt_bias [h]. Returns y_t = S_t @ C_t + D x_t, [b, h, p] in x's dtype: the
+    arithmetic of one step of :func:`ssd_sequential_ref`."""
+    b, h, p = x.shape
+    if B.dim() != 3 or B.shape[0] != b or C.shape != B.shape or h % B.shape[1]:
+        raise ValueError(f"B and C must be [batch, ngroups, dstate] with ngroups dividing nheads={h}, got "
+                         f"{tuple(B.shape)} and {tuple(C.shape)}")
+    if state.shape != (b, h, p, B.shape[2]) or dt.shape != (b, h):
+        raise ValueError(f"state must be [b, h, p, n] = {(b, h, p, B.shape[2])} and dt [b, h] = {(b, h)}, got "
+                         f"{tuple(state.shape)} and {tuple(dt.shape)}")
+    cdt = state.dtype
+    dtd = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)  # [b, h]
+    decay = torch.exp(dtd * A.to(cdt))
+    Bh = B.to(cdt).repeat_interleave(h // B.shape[1], dim=1)  # [b, h, n]: head i reads group i // (h / g)
+    Ch = C.to(cdt).repeat_interleave(h // B.shape[1], dim=1)
+    inp = (dtd[..., None] * x.to(cdt)).unsqueeze(-1) * Bh[:, :, None, :]  # dt_t outer(x_t, B_t)
+    state.copy_(decay[..., None, None] * state + inp)
+    y = torch.einsum("bhpn,bhn->bhp", state, Ch)
+    return _skip_and_gate(y[:, None], x[:, None], D, None, cdt)[:, 0].to(x.dtype)
