@@ -18,8 +18,9 @@ within a rank over threads, one whole file each), write ``manifest.json`` (via a
 ``os.replace``), rename the directory to ``step_0000100``, replace ``latest``, delete all but the newest
 ``keep_last`` and the newest finite one (each renamed to ``.trash_*`` first). A crash at any point leaves the
 previous checkpoints and ``latest`` untouched (a stale ``.tmp_*`` or ``.trash_*`` is removed by the next
-save). A save first checks the free space against the last checkpoint's size; a failed write removes the
-partial ``.tmp_*`` and raises :class:`CheckpointWriteError` (``train.py`` exits 4).
+save). A save first checks the free space against the last checkpoint's size (when it is short, it first
+deletes what its own pruning would delete after it: :func:`make_room`); a failed write removes the partial
+``.tmp_*`` and raises :class:`CheckpointWriteError` (``train.py`` exits 4).
 
 Loading verifies the manifest first (every file present and none it does not list, sizes and, by default,
 sha256) and names the first bad, missing or added file. ``resume=auto`` tries the checkpoints newest first
@@ -27,7 +28,7 @@ sha256) and names the first bad, missing or added file. ``resume=auto`` tries th
 warns for each one it has to skip (:func:`newest_good_checkpoint` is the same choice, quietly). With
 ``checkpoint.trust=false`` (the default) nothing a checkpoint holds is unpickled outside an allow-list
 (``nvfp4_train.mcore_compat.safe_load``; docs/reliability.md, threat model). A checkpoint of another model
-(a different ``ModelConfig``) is a ``ValueError``, not a fallback.
+(a different ``ModelConfig``) is a :class:`CheckpointMismatch` (a ``ValueError``), not a fallback.
 
 Resharding: megatron reshards the model state between any TP/PP/DP layouts. The distributed-optimizer state
 is saved in megatron-core's ``fully_reshardable`` format by default (``checkpoint.optim_format``): per
@@ -60,9 +61,11 @@ from nvfp4_train.mcore_compat.optimizer import load_optimizer_state as _load_opt
 __all__ = [
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointMismatch",
     "CheckpointWriteError",
     "check_writable",
     "check_free_space",
+    "make_room",
     "weights_finite",
     "is_finite_checkpoint",
     "newest_good_checkpoint",
@@ -95,9 +98,10 @@ class CheckpointConfig:
     dir: str | None = None
     """Checkpoint directory, shared by all ranks. None: ``<run_dir>/checkpoints``."""
     interval: int = 0
-    """Save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)."""
+    """Save every this many steps (0: only at the end and on SIGTERM/SIGUSR1/SIGINT)."""
     keep_last: int = 3
-    """Keep this many newest checkpoints (older ones are deleted after a successful save)."""
+    """Keep this many newest checkpoints (older ones are deleted after a successful save, or before a save
+    when the free space is short of what the last checkpoint takes)."""
     resume: str = "auto"
     """``auto``: the newest good checkpoint in ``dir`` if any (else start fresh); ``none``: start fresh (an
     existing checkpoint directory is then an error, to never mix two runs); a path: a checkpoint directory
@@ -105,7 +109,8 @@ class CheckpointConfig:
     save_at_end: bool = True
     """Save after the last step."""
     save_on_signal: bool = True
-    """On SIGTERM/SIGUSR1: finish the current step, save, exit cleanly."""
+    """On SIGTERM/SIGUSR1/SIGINT (Ctrl-C): finish the current step, save, exit cleanly. False: they end the
+    process at once (their default action)."""
     verify: str = "sha256"
     """What loading checks against the manifest: ``sha256`` (sizes and checksums) or ``size`` (sizes only)."""
     optim_format: str = "fully_reshardable"
@@ -134,6 +139,10 @@ class CheckpointConfig:
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (incomplete, corrupt, missing)."""
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
+    """A checkpoint that does not fit this run: written for another model (a ``ModelConfig`` field differs)."""
 
 
 class CheckpointWriteError(CheckpointError):
@@ -274,15 +283,19 @@ def check_writable(directory: str | os.PathLike) -> None:
             os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise CheckpointWriteError(directory, f"{_os_reason(e, directory)}, found before the first step: fix "
-                                              f"its permissions or set experiment.run_dir / checkpoint.dir to a "
-                                              f"writable directory") from None
+        raise CheckpointWriteError(directory, f"{_os_reason(e, directory)}, found before the first step: set "
+                                              f"experiment.run_dir / checkpoint.dir to a writable directory (or "
+                                              f"make this one writable)") from None
 
 
 def _os_reason(e: BaseException, where: Path) -> str:
     import errno
 
     code = getattr(e, "errno", None)
+    if code in (errno.EEXIST, errno.ENOTDIR):
+        blocker = next((p for p in (where, *where.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return f"{blocker} is a file, not a directory"
     if code == errno.ENOSPC or code == errno.EDQUOT:
         return f"no space left on {where}"
     if code == errno.EFBIG:
@@ -310,20 +323,52 @@ def _bytes(n: float) -> str:
     return f"{n} B"
 
 
-def check_free_space(root: str | os.PathLike) -> None:
-    """Raise :class:`CheckpointWriteError` ("no space left on <root>") when the file system of ``root`` has
-    less free space than the newest committed checkpoint takes (the next one is as large; the old ones are
-    pruned only after it is complete). Nothing to compare with before the first checkpoint."""
-    root = Path(root)
+def _space_short(root: Path) -> tuple[int, int, Path] | None:
+    """(free bytes, bytes the next checkpoint needs, the newest checkpoint) when the file system of ``root``
+    has less free space than the newest committed checkpoint takes (the next one is as large); None when it
+    has enough, or before the first checkpoint (nothing to compare with)."""
     ckpts = list_checkpoints(root)
     need = _checkpoint_bytes(ckpts[-1]) if ckpts else 0
     if not need:
-        return
+        return None
     free = shutil.disk_usage(root).free
-    if free < need:
-        raise CheckpointWriteError(root, f"no space left on {root}: {_bytes(free)} free, the last checkpoint "
-                                         f"({ckpts[-1].name}) takes {_bytes(need)}; the earlier checkpoints "
-                                         f"are intact: free space (or lower checkpoint.keep_last), then resume")
+    return (free, need, ckpts[-1]) if free < need else None
+
+
+def make_room(root: str | os.PathLike, keep_last: int, *, keep: tuple[str, ...] = ()) -> list[Path]:
+    """Before a save, when the free space is short of what the newest checkpoint takes: delete the
+    checkpoints that the pruning after this save would delete anyway (all but the newest ``keep_last - 1``,
+    never the one ``latest`` names, the newest finite one or those named in ``keep``; see
+    :func:`prune_checkpoints`). Returns what was deleted (nothing when the space suffices). So lowering
+    ``checkpoint.keep_last`` makes room for the next save; a save that then fails leaves one checkpoint fewer
+    than ``keep_last``, each intact."""
+    root = Path(root)
+    if _space_short(root) is None:
+        return []
+    return prune_checkpoints(root, keep_last - 1, keep=keep)
+
+
+def check_free_space(root: str | os.PathLike, *, keep: tuple[str, ...] = ()) -> None:
+    """Raise :class:`CheckpointWriteError` ("no space left on <root>") when the file system of ``root`` has
+    less free space than the newest committed checkpoint takes (the next one is as large). The message says
+    which ``checkpoint.keep_last``, if any, would make room (:func:`make_room` deletes before the next save
+    what that value prunes); ``keep``: names it never deletes. Nothing to compare with before the first
+    checkpoint."""
+    root = Path(root)
+    short = _space_short(root)
+    if short is None:
+        return
+    free, need, newest = short
+    fix = "free space, then resume"
+    for keep_last in range(len(list_checkpoints(root)), 0, -1):  # the largest keep_last that makes room
+        doomed = _prunable(root, keep_last - 1, keep=keep)
+        if doomed and free + sum(_checkpoint_bytes(p) for p in doomed) >= need:
+            fix = (f"free space, or resume with checkpoint.keep_last={keep_last} (the next save then first deletes "
+                   f"{', '.join(p.name for p in doomed)})")
+            break
+    raise CheckpointWriteError(root, f"no space left on {root}: {_bytes(free)} free, the last checkpoint "
+                                     f"({newest.name}) takes {_bytes(need)}; the earlier checkpoints are "
+                                     f"intact: {fix}")
 
 
 def _write_failure(root: Path, e: BaseException) -> str:
@@ -470,25 +515,29 @@ def commit_checkpoint(tmp_dir: str | os.PathLike, root: str | os.PathLike, step:
     return final
 
 
-def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
+def _prunable(root: Path, keep_last: int, *, keep: tuple[str, ...] = ()) -> list[Path]:
+    """The committed checkpoints :func:`prune_checkpoints` would delete, oldest first."""
+    ckpts = list_checkpoints(root)
+    kept = {p.name for p in (ckpts[-keep_last:] if keep_last > 0 else [])} | set(keep)
+    latest = _read_latest(root)
+    if latest is not None:
+        kept.add(latest.name)
+    good = next((p for p in reversed(ckpts) if is_finite_checkpoint(p)), None)
+    if good is not None:
+        kept.add(good.name)
+    return [p for p in ckpts if p.name not in kept]
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, keep: tuple[str, ...] = ()) -> list[Path]:
     """Delete all but the newest ``keep_last`` committed checkpoints, and stale ``.tmp_*``/``.trash_*``
     directories. Never deletes the one ``latest`` names, nor the newest one with finite weights
     (:func:`is_finite_checkpoint`), so checkpoints written during a bad streak never push out the last good
-    one. Each is first renamed to ``.trash_step_N`` (atomic), then deleted: a kill mid-delete leaves a
-    ``.trash_*`` (removed by the next prune), never a half-deleted ``step_N``. Returns what was deleted."""
+    one, nor those named in ``keep`` (the trainer's checkpoint to recover from after a divergence). Each is
+    first renamed to ``.trash_step_N`` (atomic), then deleted: a kill mid-delete leaves a ``.trash_*`` (removed
+    by the next prune), never a half-deleted ``step_N``. Returns what was deleted."""
     root = Path(root)
-    ckpts = list_checkpoints(root)
-    keep = {p.name for p in (ckpts[-keep_last:] if keep_last else [])}
-    latest = _read_latest(root)
-    if latest is not None:
-        keep.add(latest.name)
-    good = next((p for p in reversed(ckpts) if is_finite_checkpoint(p)), None)
-    if good is not None:
-        keep.add(good.name)
     deleted = []
-    for p in ckpts:
-        if p.name in keep:
-            continue
+    for p in _prunable(root, keep_last, keep=keep):
         trash = root / f".trash_{p.name}"
         shutil.rmtree(trash, ignore_errors=True)
         try:
@@ -699,65 +748,39 @@ def _sharded_state(ddp, optimizer, *, is_loading: bool, optim_format: str) -> di
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
 
 
-_writer_manager = None
-
-
-def _writer_helper_init() -> None:
-    """Runs in the writer helper process: ignore the stop signals, and die with the trainer (Linux)."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def start_checkpoint_writer() -> None:
-    """Start megatron-core's checkpoint-writer helper process now, deaf to SIGTERM, SIGUSR1 and SIGINT.
+    """Give megatron-core's dist-checkpointing an in-process queue for its write results.
 
-    dist-checkpointing collects its write results through a ``multiprocessing`` Manager queue that it spawns
-    at the first save (``filesystem_async._results_queue``). A signal sent to the whole process group
-    (Slurm's scancel and time limit, ``timeout``, Ctrl-C) would kill that helper too, and the save the
-    trainer does on that very signal would then fail (``BrokenPipeError``/``EOFError``). So the trainer
-    creates that queue itself, in a helper that ignores those signals (set before the spawn, inherited
-    through its exec, and again in the helper) and is killed when the trainer process dies (a plain
-    Manager would outlive a SIGKILLed trainer)."""
-    global _writer_manager
-    import multiprocessing
-    import signal
-    from multiprocessing.managers import SyncManager
+    Its writer reports through the module global ``filesystem_async._results_queue``, which megatron-core fills
+    at the first save with a ``multiprocessing`` Manager queue served by a helper process it spawns. Our saves are
+    synchronous: in megatron-core 0.16.1–0.19.2 the writer's parallel workers (forked processes in 0.16.1, threads
+    in 0.19) report to a local queue, and only the calling process puts the collected results into this one and
+    reads them back, in the same save. A plain ``queue.Queue`` therefore does the same work with no helper
+    process: none to be killed by a signal sent to the whole process group (Slurm, ``timeout``, Ctrl-C) before
+    the save that signal asks for, none to outlive a SIGKILLed trainer, and none to hang: on an H200 shared by
+    nine trainers (2026-12-04), seven hung forever in the Manager queue's ``put`` at their final save."""
+    import queue
 
-    if write_results_queue_set():
-        return
-    sigs = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
-    try:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_writer_helper_init)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    _writer_manager = manager
-    set_write_results_queue(manager.Queue())
+    if not write_results_queue_set():
+        set_write_results_queue(queue.Queue())
 
 
 def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, trainer_state: dict, config_yaml: str,
                     meta: dict, keep_last: int, optim_format: str = "fully_reshardable",
                     rank_extra: dict | None = None, timings: dict[str, float] | None = None,
-                    hash_threads: int | None = None) -> Path:
+                    hash_threads: int | None = None, keep: tuple[str, ...] = ()) -> Path:
     """Save a training state as ``root/step_XXXXXXX`` (collective: every rank calls it). See the module
     docstring for the order that keeps the previous checkpoints safe. ``rank_extra`` is saved with this
     rank's RNG states (e.g. the quantized layers' stochastic-rounding counters). ``timings``, when given,
     receives this rank's seconds per phase (``prepare``, ``sharded_state``, ``dist_save``, ``rng_trainer``,
     ``manifest``, ``commit``; a phase ends with the barrier that follows it). ``hash_threads``: see
-    :func:`write_manifest`. The manifest's ``meta.finite`` records :func:`weights_finite`.
+    :func:`write_manifest`. The manifest's ``meta.finite`` records :func:`weights_finite`. ``keep``: names of
+    checkpoints the pruning must not delete (besides the newest ``keep_last``, ``latest`` and the newest finite
+    one).
 
-    Raises :class:`CheckpointWriteError` (on every rank) when the file system has less free space than the
-    last checkpoint takes (:func:`check_free_space`, before anything is written) or when writing fails (no
+    When the free space is short of what the last checkpoint takes, the checkpoints this save's pruning would
+    delete are deleted first (:func:`make_room`). Raises :class:`CheckpointWriteError` (on every rank) when
+    the space is still short (:func:`check_free_space`, before anything is written) or when writing fails (no
     space, a file-size limit, permissions): the partial ``.tmp_step_*`` is then removed and the earlier
     checkpoints stay as they were. (A writer failure inside megatron-core's collective save on some ranks
     only can still leave the others waiting in it: the free-space check is what prevents the common case.)"""
@@ -780,7 +803,8 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            check_free_space(root)
+            make_room(root, keep_last, keep=keep)
+            check_free_space(root, keep=keep)
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
@@ -820,7 +844,7 @@ def save_checkpoint(root: str | os.PathLike, *, step: int, ddp, optimizer, train
     final = root / step_dir_name(step)
     if rank == 0:
         final = commit_checkpoint(tmp, root, step)
-        prune_checkpoints(root, keep_last)
+        prune_checkpoints(root, keep_last, keep=keep)
     _barrier()
     clock.lap("commit")
     return final
@@ -836,16 +860,26 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     (``nvfp4_train.mcore_compat.safe_load``) and raises its ``UntrustedPickleError`` (a ``ValueError``
     naming the file and the class) for anything else; True loads as torch and megatron-core do."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from nvfp4_train.mcore_compat.safe_load import restricted_checkpoint_loading, safe_torch_load, untrusted_cause
+    from nvfp4_train.mcore_compat.safe_load import (restricted_checkpoint_loading, restricted_unpickle,
+                                                    safe_torch_load, untrusted_cause)
 
     def dist_load(sharded: dict) -> dict:
         if trust:
             return dist_checkpointing.load(sharded, str(path / "dist"))
+        # read .metadata through the allow-list before torch does: torch reads it on one rank, and a refusal
+        # there reaches the caller as an AssertionError ("metadata is None; global metadata read failed")
+        # after it retried the file per rank, with the refusal only in its text
+        metadata = path / "dist" / ".metadata"
+        if metadata.is_file():
+            with open(metadata, "rb") as f:
+                restricted_unpickle(f, path=metadata, what="distributed-checkpoint metadata")
         try:
             with restricted_checkpoint_loading(path / "dist"):
                 return dist_checkpointing.load(sharded, str(path / "dist"))
-        except Exception as e:  # a refusal reaches us wrapped in torch's per-rank CheckpointException
+        except (Exception, CheckpointException) as e:  # a refusal reaches us wrapped in torch's per-rank
+            # CheckpointException, a BaseException
             refused = untrusted_cause(e)
             if refused is None or refused is e:
                 raise
@@ -857,7 +891,7 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
     meta = manifest.get("meta", {})
     diff = model_mismatch(meta.get("model", {}), model_config)
     if diff:
-        raise ValueError(
+        raise CheckpointMismatch(
             f"checkpoint {path} was written for another model ({meta.get('model', {}).get('name')!r}; this run: "
             f"{model_config.get('name')!r}): " + "; ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
             + ". Resume with the checkpoint's model config, or start a new run (another experiment.name or "

@@ -43,8 +43,10 @@ from dataclasses import dataclass
 
 from nvfp4_train.mcore_compat.optimizer import adam_params_device, grads_for_grad_norm, set_fused_adam
 
-__all__ = ["OptimConfig", "build_ddp", "build_optimizer", "fused_adam_on", "megatron_optimizer_config",
-           "optimizer_step", "clip_grad_norm_sync_free"]
+__all__ = ["OptimConfig", "build_ddp", "build_optimizer", "check_adam_step_size", "fused_adam_on",
+           "megatron_optimizer_config", "optimizer_step", "clip_grad_norm_sync_free"]
+
+FP32_MAX = 3.4028234663852886e38
 
 
 @dataclass(kw_only=True)
@@ -79,6 +81,25 @@ class OptimConfig:
             raise ValueError(f"optim.max_consecutive_bad_steps={self.max_consecutive_bad_steps} must be >= 1")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("optim.overlap_param_gather needs optim.use_distributed_optimizer=true")
+
+
+def check_adam_step_size(cfg: OptimConfig, lr: float, *, name: str = "schedule.lr") -> None:
+    """Raise ``ValueError`` when the learning rate ``lr`` (the config key ``name``) overflows AdamW's fp32
+    arithmetic. Adam's step moves a weight by up to ``lr / (1 - adam_beta1**k)`` at step ``k`` (the bias
+    correction), ``lr / (1 - adam_beta1)`` at the first, and the decoupled weight decay multiplies it by
+    ``1 - lr * weight_decay``; torch applies both as scalars to fp32 tensors. Beyond fp32's largest value
+    torch's CPU AdamW fails with "value cannot be converted to type float without overflow" in the middle of
+    a step, and a fused GPU kernel writes infinite weights. A smaller, still absurd learning rate is left to
+    the non-finite-step guard (the run stops as diverged)."""
+    step = lr / (1.0 - cfg.adam_beta1)
+    decay = lr * cfg.weight_decay
+    terms = ([f"its first step moves a weight by up to lr / (1 - optim.adam_beta1) = {step:.3g}"] if step > FP32_MAX
+             else []) + ([f"its weight decay multiplies a weight by 1 - lr * optim.weight_decay = {1 - decay:.3g}"]
+                         if decay > FP32_MAX else [])
+    if terms:
+        limit = FP32_MAX * min(1.0 - cfg.adam_beta1, 1.0 / cfg.weight_decay if cfg.weight_decay else 1.0)
+        raise ValueError(f"{name}={lr:g} overflows AdamW in fp32: {' and '.join(terms)}, beyond fp32's largest "
+                         f"value {FP32_MAX:.3g}: set {name} below {limit:.3g} (a sane one is far lower, e.g. 3e-4)")
 
 
 def build_ddp(module, cfg: OptimConfig):

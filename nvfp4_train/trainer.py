@@ -14,11 +14,14 @@ world, then either skip the optimizer (non-finite loss or learning rate) or call
 non-finite gradients; the gradient clipping is ``nvfp4_train.optim.optimizer_step``'s, without host syncs:
 see ``nvfp4_train.optim``). :meth:`Trainer.run` is that step in a loop, then, in this order: the step's
 records, bad-step handling (``optim.max_consecutive_bad_steps`` skipped steps in a row stop the run,
-``TrainingDiverged``, with a report naming the first non-finite quantized layer, its telemetry and the last
-checkpoint written before the streak), spike handling (``spike.*``, off by default: logged, or rolled back to
-the last checkpoint past its data window), evaluation every ``schedule.eval_interval`` steps, and the
+``TrainingDiverged``, with a report naming the first non-finite quantized layer, its telemetry and the
+checkpoint to resume from: ``nvfp4_train.spikes.RecoveryPoint``), spike handling (``spike.*``, off by default:
+logged, or rolled back to the last checkpoint past its data window), evaluation every
+``schedule.eval_interval`` steps, and the
 checkpoint policy (every ``checkpoint.interval`` steps, never during a streak of bad steps;
-SIGTERM/SIGUSR1 finish the step, save and return). See docs/reliability.md.
+SIGTERM/SIGUSR1/SIGINT finish the step, save and return; a run that ends inside a streak of bad steps raises
+``TrainingDiverged`` too). What the build finds wrong with the config's files is a ``RunSetupError``. See
+docs/reliability.md.
 
 With ``schedule.cuda_graph`` on (``auto``: on CUDA where the layout allows it) the step's forwards and
 backwards are replayed from a CUDA graph (``nvfp4_train.cuda_graph.CudaGraphStep``), the rest of the step eager,
@@ -36,31 +39,54 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from nvfp4_train.checkpoint import (check_writable, find_resume_checkpoint, load_checkpoint, save_checkpoint,
-                                    start_checkpoint_writer)
+from nvfp4_train.checkpoint import (CheckpointError, CheckpointWriteError, check_writable, find_resume_checkpoint,
+                                    load_checkpoint, save_checkpoint, start_checkpoint_writer)
 from nvfp4_train.config.compose import check_finite
 from nvfp4_train.cuda_graph import CudaGraphStep, resolve_cuda_graph
+from nvfp4_train.mcore_compat.safe_load import UntrustedPickleError
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
-from nvfp4_train.optim import optimizer_step
+from nvfp4_train.optim import check_adam_step_size, optimizer_step
 from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
 from nvfp4_train.precision import telemetry as quant_telemetry
 from nvfp4_train.precision.layer_map import LayerPrecisionMap, recipe_in_effect
 from nvfp4_train.precision.megatron_linear import invalidate_weight_caches, set_weight_cache
-from nvfp4_train.spikes import SpikeDetector
+from nvfp4_train.spikes import RecoveryPoint, SpikeDetector
+from nvfp4_train.warnings_log import RunEventWarning
 
 __all__ = ["train", "Trainer", "StepOutcome", "NonfiniteSite", "BadStreak", "TrainResult", "TrainingDiverged",
-           "RunDirLocked", "hybrid_model_provider", "resolve_model_provider",
+           "RunDirLocked", "RunSetupError", "hybrid_model_provider", "resolve_model_provider",
            "apply_precision_switch"]
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient, or a loss spike with no rollback left."""
+    """Too many consecutive steps with a non-finite loss or gradient, a run that ended inside such a streak, or
+    a loss spike with no rollback left. The message is the stop report (one line: the first non-finite
+    layer, the checkpoint to resume from); ``train.py`` exits 3."""
+
+
+class RunSetupError(ValueError):
+    """What a run finds before its first step that the config, or the files it names, must change for: a data
+    file (missing, truncated or corrupt, prepared with another tokenizer), the tokenizer, a checkpoint (another
+    model's, refused as untrusted, damaged, written with another global batch or past
+    ``schedule.train_steps``, or present under ``checkpoint.resume=none``), a value that cannot run
+    (``model.vocab_size`` below the tokenizer's ids, a learning rate that overflows AdamW). The message is one
+    line naming the problem and the fix; the original error is its ``__cause__``. ``train.py`` exits 2."""
+
+
+@contextlib.contextmanager
+def _setup_errors(*errors: type[BaseException]):
+    """Re-raise ``errors`` (our own functions' documented user errors) as :class:`RunSetupError`."""
+    try:
+        yield
+    except errors as e:
+        raise RunSetupError(" ".join(str(e).split("\n"))) from e
 
 
 @dataclass(kw_only=True)
@@ -179,19 +205,32 @@ def _format_stats(layer_stats: dict) -> str:
 
 
 class _SignalFlag:
-    """SIGTERM / SIGUSR1 set a flag; the loop acts on it after the current step. Not ``enabled``
-    (``checkpoint.save_on_signal=false``): they end the process (the default action) until :meth:`restore`."""
+    """SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) set a flag; the loop acts on it after the current step. A SIGINT
+    while a stop is pending (a second Ctrl-C) ends the process at once: killed by SIGINT, as Ctrl-C ends a
+    program, without a checkpoint (those already written are intact; a save cut short leaves a ``.tmp_*``
+    the next save removes). Not ``enabled`` (``checkpoint.save_on_signal=false``): they end the process (the
+    default action) until :meth:`restore`."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, enabled: bool) -> None:
         self.signum = 0
         self._old = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in self.SIGNALS:
             try:
                 self._old[sig] = signal.signal(sig, self._handle if enabled else signal.SIG_DFL)
             except ValueError:  # not the main thread
                 pass
 
     def _handle(self, signum, _frame) -> None:
+        # os.write, not print: the handler may interrupt a write to stderr (the progress bar)
+        if signum == signal.SIGINT and self.signum:
+            os.write(2, b"\nCtrl-C again: stopping now, without a checkpoint (the checkpoints written are intact)\n")
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        if signum == signal.SIGINT:
+            os.write(2, b"\nCtrl-C: finishing this step, then saving and stopping (Ctrl-C again stops at once)\n")
         self.signum = signum
 
     def restore(self) -> None:
@@ -199,9 +238,13 @@ class _SignalFlag:
             signal.signal(sig, old)
 
 
-def train(cfg, *, model_provider=None) -> TrainResult:
-    """Train as ``cfg`` says (a ``nvfp4_train.config.Config``); ``model_provider`` overrides the config's."""
-    with Trainer(cfg, model_provider=model_provider) as trainer:
+def train(cfg, *, model_provider=None, run_dir_ready: Callable[[Path], None] | None = None) -> TrainResult:
+    """Train as ``cfg`` says (a ``nvfp4_train.config.Config``); ``model_provider`` overrides the config's;
+    ``run_dir_ready(run_dir)`` is called on every rank once the run directory is locked for this run and
+    writable (``train.py`` opens its ``warnings.log`` then: a run refused there writes nothing into it).
+    Raises :class:`RunSetupError`, :class:`RunDirLocked`, :class:`TrainingDiverged` or
+    ``nvfp4_train.checkpoint.CheckpointWriteError`` with a one-line message."""
+    with Trainer(cfg, model_provider=model_provider, run_dir_ready=run_dir_ready) as trainer:
         return trainer.run()
 
 
@@ -235,7 +278,8 @@ class StepOutcome:
     first_nonfinite: NonfiniteSite | None
     """The first quantized layer that saw a non-finite value in this (skipped) step; None: none did."""
     signal: bool
-    """A SIGTERM/SIGUSR1 reached some rank before the step's all-reduce (:meth:`Trainer.run` saves and stops)."""
+    """A SIGTERM/SIGUSR1/SIGINT reached some rank before the step's all-reduce (:meth:`Trainer.run` saves and
+    stops)."""
     time_s: float
     """Wall seconds of the step, device synchronized (the precision switch and telemetry collection excluded)."""
 
@@ -332,10 +376,17 @@ class Trainer:
       :class:`StepOutcome`; it writes no records, evaluates and saves nothing (what a benchmark times).
     - :meth:`close` (or ``with Trainer(cfg) as t:``) releases the signal handlers, the metrics files, the lock
       and the process groups it set up.
+
+    What the build finds wrong with the config or the files it names (data, tokenizer, checkpoints) is a
+    :class:`RunSetupError`; a run directory that is a file or read-only, a ``CheckpointWriteError``; one in use
+    by another run, :class:`RunDirLocked`. Each has a one-line message; nothing is written into the run
+    directory before it is locked. ``run_dir_ready(run_dir)``, if given, is called on every rank right after.
     """
 
-    def __init__(self, cfg, *, model_provider=None, parallel_state: ParallelState | None = None) -> None:
+    def __init__(self, cfg, *, model_provider=None, parallel_state: ParallelState | None = None,
+                 run_dir_ready: Callable[[Path], None] | None = None) -> None:
         check_finite(cfg)  # also a config built in code, not composed
+        self._run_dir_ready = run_dir_ready
         # a signal from here on stops the run cleanly (before the first step: without training anything)
         self._signals = _SignalFlag(cfg.checkpoint.save_on_signal)
         self._lock: _RunDirLock | None = None
@@ -365,7 +416,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from omegaconf import OmegaConf
 
-        from nvfp4_train.data.datasets import build_datasets, load_tokenizer_for
+        from nvfp4_train.data.datasets import DataError, build_datasets, load_tokenizer_for
         from nvfp4_train.optim import build_ddp, build_optimizer
         from nvfp4_train.schedule import WSDSchedule
 
@@ -382,7 +433,7 @@ class Trainer:
         self._resume_changes: list[tuple[str, dict, str]] = []  # (event, fields, note) logged when run() starts
         self.cuda_graph: CudaGraphStep | None = None  # made at the end of the build
         if self._graph_warning:
-            warnings.warn(self._graph_warning, stacklevel=3)
+            warnings.warn(self._graph_warning, RunEventWarning, stacklevel=3)
             self._resume_changes.append(("cuda_graph_fallback", {"reason": self._graph_warning}, self._graph_warning))
         self._lock_run_dir()
 
@@ -390,19 +441,25 @@ class Trainer:
         self.sched = sc.resolve(cfg.data.seq_length)
         per_micro = sc.micro_batch_size * ps.dp
         if sc.global_batch_size % per_micro:
-            raise ValueError(f"schedule.global_batch_size={sc.global_batch_size} is not a multiple of "
-                             f"micro_batch_size * DP = {sc.micro_batch_size} * {ps.dp}")
+            raise RunSetupError(f"schedule.global_batch_size={sc.global_batch_size} is not a multiple of "
+                                f"micro_batch_size * DP = {sc.micro_batch_size} * {ps.dp}")
         self.num_micro = sc.global_batch_size // per_micro
+        with _setup_errors(ValueError):  # each learning rate the schedule reaches
+            for name in ("lr", "init_lr", "min_lr"):
+                check_adam_step_size(cfg.optim, getattr(sc, name), name=f"schedule.{name}")
 
-        tokenizer = load_tokenizer_for(cfg.data)
+        with _setup_errors(ValueError, OSError):  # our tokenizer file's errors name the file
+            tokenizer = load_tokenizer_for(cfg.data)
         if cfg.model.vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                             f"{tokenizer.vocab_size} ids: set model.vocab_size >= {tokenizer.vocab_size}")
+            raise RunSetupError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                                f"{tokenizer.vocab_size} ids ({tokenizer.path}), which the data holds: set "
+                                f"model.vocab_size >= {tokenizer.vocab_size}")
         self.layer_map = cfg.precision.layer_map(cfg.model.pattern)  # resolved once, handed to the model
         self.switch = cfg.precision.switch
 
         # model, DDP, optimizer
-        provider = model_provider if model_provider is not None else resolve_model_provider(cfg, self.layer_map)
+        with _setup_errors(ValueError):  # experiment.model_provider that cannot be loaded
+            provider = model_provider if model_provider is not None else resolve_model_provider(cfg, self.layer_map)
         module = provider(pre_process=ps.is_first_stage, post_process=ps.is_last_stage)
         if getattr(module, "config", None) is None:
             raise TypeError(f"the model provider returned a {type(module).__name__} without a megatron "
@@ -422,9 +479,10 @@ class Trainer:
         # data
         gbs = sc.global_batch_size
         valid_samples = sc.eval_batches * gbs
-        self.train_ds, self.valid_ds = build_datasets(cfg.data, train_samples=self.sched.train_steps * gbs
-                                                      + self._rollback_reserve(), valid_samples=valid_samples,
-                                                      tokenizer=tokenizer, vocab_size=cfg.model.vocab_size)
+        with _setup_errors(DataError):
+            self.train_ds, self.valid_ds = build_datasets(cfg.data, train_samples=self.sched.train_steps * gbs
+                                                          + self._rollback_reserve(), valid_samples=valid_samples,
+                                                          tokenizer=tokenizer, vocab_size=cfg.model.vocab_size)
 
         # resume
         self.step = 0
@@ -434,31 +492,38 @@ class Trainer:
         self.rollbacks = 0
         self.skipped_samples = 0  # training samples never trained on: the data windows skipped by rollbacks
         self.eval_step: int | None = None  # the step of the latest evaluation (a resumed one: the checkpoint's)
-        path = find_resume_checkpoint(cfg.checkpoint.resume, self.ckpt_dir,
-                                      checksums=cfg.checkpoint.verify == "sha256")
+        self.recovery = RecoveryPoint(cfg.spike)  # the checkpoint a diverged run should resume from
+        with _setup_errors(CheckpointError, ValueError):  # ValueError: resume=none over checkpoints
+            path = find_resume_checkpoint(cfg.checkpoint.resume, self.ckpt_dir,
+                                          checksums=cfg.checkpoint.verify == "sha256")
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         self.config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         if path is not None:
-            tstate = self._load(path)
+            with _setup_errors(CheckpointError, UntrustedPickleError):  # another model's, refused, unreadable
+                tstate = self._load(path)
             self.skipped_samples = tstate.get("skipped_samples", 0)
             self.rollbacks = tstate.get("rollbacks", 0)
             self.eval_step = tstate.get("eval_step")
             if tstate.get("consumed_samples") != self.step * gbs + self.skipped_samples:
-                raise ValueError(f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not "
-                                 f"step * global_batch_size + skipped_samples = {self.step} * {gbs} + "
-                                 f"{self.skipped_samples}: the global batch size changed; resume with "
-                                 f"schedule.global_batch_size as saved")
+                saved_gbs = (tstate.get("consumed_samples", 0) - self.skipped_samples) // max(self.step, 1)
+                raise RunSetupError(
+                    f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not step * "
+                    f"global_batch_size + skipped_samples = {self.step} * {gbs} + {self.skipped_samples}: the "
+                    f"global batch size changed; resume with schedule.global_batch_size={saved_gbs} as saved, or "
+                    f"start a new run (another experiment.name)")
+            if self.step > self.sched.train_steps:
+                raise RunSetupError(
+                    f"checkpoint {path} is at step {self.step}, past schedule.train_steps={self.sched.train_steps}: "
+                    f"resume with schedule.train_steps >= {self.step} (the run that wrote it had "
+                    f"{tstate.get('schedule', {}).get('train_steps', '?')}), or start a new run (another "
+                    f"experiment.name)")
             self._note_resume_changes(path, tstate)
             self.resumed_from = str(path)
-        if self.step > self.sched.train_steps:
-            raise ValueError(f"checkpoint at step {self.step} is past schedule.train_steps={self.sched.train_steps}")
 
         self.metrics = MetricsLogger(cfg.logging, self.run_dir, enabled=self.is_rank0,
                                      total_steps=self.sched.train_steps, start_step=self.step,
                                      run_name=cfg.experiment.name, config_dict=self.config_dict)
         if self.is_rank0:
-            check_writable(self.run_dir)
-            check_writable(self.ckpt_dir)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
         self.telemetry_interval = cfg.logging.telemetry_interval
         self.last_telemetry: tuple[int, dict] | None = None  # (step, layers) of the latest collection
@@ -471,6 +536,7 @@ class Trainer:
         self.switch_start = self.switch.start_step(self.sched.train_steps)
         self.switched = False
         self.streak = BadStreak()  # the current run of bad steps
+        self._streak_fields: dict = {}  # the streak's first non-finite layer, for the diverged event
         self.checks = NonfiniteChecks(cfg.logging.nonfinite_check, quant_telemetry, module)
         self._telemetry_next = False  # collect telemetry in the next step (after a skipped step or a loss spike)
         self.last_checkpoint: str | None = None  # the latest checkpoint this process wrote or rolled back to
@@ -509,18 +575,32 @@ class Trainer:
             teardown_parallel(self.ps)
 
     def _lock_run_dir(self) -> None:
-        """Rank 0 takes the run directory's lock; every rank raises :class:`RunDirLocked` when it cannot
-        (collective)."""
-        msg = None
+        """Rank 0 creates the run directory and takes its lock, then checks that it and the checkpoint
+        directory are writable (a probe file, :func:`~nvfp4_train.checkpoint.check_writable`); every rank raises
+        :class:`RunDirLocked` or ``CheckpointWriteError`` when it cannot, then calls ``run_dir_ready``
+        (collective). A refused run writes nothing into the directory."""
+        err: tuple[str, str, str] | None = None  # (kind, path or message, reason): exceptions do not all pickle
         if self.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
-                self._lock = _RunDirLock(self.run_dir)
+                try:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                    self._lock = _RunDirLock(self.run_dir)
+                except OSError:  # a file in the way, a read-only or unwritable parent: named by the probe
+                    check_writable(self.run_dir)
+                    raise
+                check_writable(self.run_dir)
+                check_writable(self.ckpt_dir)
             except RunDirLocked as e:
-                msg = str(e)
-        msg = self._all_ranks(msg)[0]
-        if msg is not None:
-            raise RunDirLocked(msg)
+                err = ("locked", str(e), "")
+            except CheckpointWriteError as e:
+                err = ("write", e.path, e.reason)
+        err = self._all_ranks(err)[0]
+        if err is not None and err[0] == "locked":
+            raise RunDirLocked(err[1])
+        if err is not None:
+            raise CheckpointWriteError(err[1], err[2])
+        if self._run_dir_ready is not None:
+            self._run_dir_ready(self.run_dir)
         if self._lock is not None and self._lock.previous:
             self._resume_changes.append(("lock_taken_over", {"previous": self._lock.previous},
                                          f"took over the run directory's lock left by {self._lock.previous} "
@@ -540,7 +620,7 @@ class Trainer:
                     + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
                     + "; continuing with this run's: the learning rate from here on follows the new schedule "
                       "(the data order also changes when train_steps changes)")
-            warnings.warn(text, stacklevel=3)
+            warnings.warn(text, RunEventWarning, stacklevel=3)
             self._resume_changes.append(("schedule_change", {"changed": diff}, text))
         saved_yaml = path / "config.yaml"
         saved_prec = (yaml.safe_load(saved_yaml.read_text()) or {}).get("precision") if saved_yaml.is_file() else None
@@ -548,7 +628,7 @@ class Trainer:
         if saved_prec is not None and saved_prec != now_prec:
             text = (f"the precision differs from checkpoint {path}'s (recipe {saved_prec.get('recipe')!r} -> "
                     f"{now_prec.get('recipe')!r}); the layers run this run's precision from here on")
-            warnings.warn(text, stacklevel=3)
+            warnings.warn(text, RunEventWarning, stacklevel=3)
             self._resume_changes.append(("precision_change", {"checkpoint": saved_prec, "now": now_prec}, text))
 
     # -- helpers ----------------------------------------------------------------------------------------
@@ -568,7 +648,7 @@ class Trainer:
 
         return build_data_loader(dataset, micro_batch_size=self.cfg.schedule.micro_batch_size,
                                  consumed_samples=consumed_samples, dp_rank=self.ps.dp_rank, dp_size=self.ps.dp,
-                                 num_workers=self.cfg.data.num_workers)
+                                 num_workers=self.cfg.data.num_workers, seed=self.cfg.data.seed)
 
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
@@ -660,7 +740,8 @@ class Trainer:
         return {"step": self.step, "consumed_samples": self.step * gbs + self.skipped_samples,
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "skipped_steps": self.skipped_steps,
                 "skipped_samples": self.skipped_samples, "rollbacks": self.rollbacks,
-                "spike": self.spikes.state_dict(), "schedule": self.lr_schedule.state_dict(),
+                "spike": self.spikes.state_dict(), "recovery": self.recovery.state_dict(),
+                "schedule": self.lr_schedule.state_dict(),
                 "layout": self.ps.layout(), "eval_step": self.eval_step}
 
     def _all_ranks(self, item) -> list:
@@ -686,8 +767,8 @@ class Trainer:
 
     def _load(self, path) -> dict:
         """Load checkpoint ``path`` into the model and optimizer and restore what resume and rollback share:
-        the step, this rank's stochastic-rounding counters, the skipped-step count and the spike detector.
-        Returns the trainer state."""
+        the step, this rank's stochastic-rounding counters, the skipped-step count, the spike detector and the
+        recovery point. Returns the trainer state."""
         tstate = load_checkpoint(path, ddp=self.ddp, optimizer=self.optimizer, layout=self.ps.layout(),
                                  model_config=dataclasses.asdict(self.cfg.model), trust=self.cfg.checkpoint.trust)
         self.step = tstate["step"]
@@ -699,6 +780,9 @@ class Trainer:
         self.spikes = SpikeDetector(self.cfg.spike)
         if tstate.get("spike"):
             self.spikes.load_state_dict(tstate["spike"])
+        self.recovery = RecoveryPoint(self.cfg.spike)
+        if tstate.get("recovery"):  # (checkpoints written before it existed start without one)
+            self.recovery.load_state_dict(tstate["recovery"], Path(path).parent)
         return tstate
 
     def _rollback(self, path) -> tuple[int, int]:
@@ -720,12 +804,14 @@ class Trainer:
         meta = {"model": dataclasses.asdict(self.cfg.model), "layout": self.ps.layout(), "step": self.step,
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "time": time.time()}
         t0 = time.time()
+        recover = self.recovery.checkpoint  # never pruned: it is what a divergence report names
+        keep = (Path(recover).name,) if recover and Path(recover).parent == self.ckpt_dir else ()
         with self._on_stream():
             path = save_checkpoint(self.ckpt_dir, step=self.step, ddp=self.ddp, optimizer=self.optimizer,
                                    trainer_state=self._trainer_state(), config_yaml=self.config_yaml, meta=meta,
                                    keep_last=self.cfg.checkpoint.keep_last,
                                    optim_format=self.cfg.checkpoint.optim_format,
-                                   rank_extra={"quant_calls": quant_rng_counters(_unwrap(self.ddp))})
+                                   rank_extra={"quant_calls": quant_rng_counters(_unwrap(self.ddp))}, keep=keep)
         self.metrics.event("checkpoint", self.step, path=str(path), seconds=round(time.time() - t0, 3))
         self.metrics.note(f"step {self.step}: checkpoint {path}")
         self.last_checkpoint, self.saved_step = str(path), self.step
@@ -831,9 +917,11 @@ class Trainer:
         self._start()
         if self._signal_before_first_step():
             return self._result(stopped=True)
+        out = None
         while self.step < self.sched.train_steps:
             out = self.train_step()
             self._record_step(out)
+            self.recovery.observe(out.step, out.loss, self.last_checkpoint or self.resumed_from)
             self._stop_if_diverged(out)
             if self._handle_spike(out):
                 continue  # rolled back: the loop goes on from the checkpoint
@@ -844,6 +932,10 @@ class Trainer:
                 return self._result(stopped=True)
             if self.cfg.checkpoint.interval and self.step % self.cfg.checkpoint.interval == 0:
                 self._save_unless_in_streak("checkpoint.interval")
+        if self.streak.length:  # the run's last steps were skipped: its weights are those of a diverging run
+            self._diverged(f"the run ended at step {self.step} inside a streak of {self.streak.length} steps with "
+                           f"a non-finite loss or gradient ({self.skipped_steps} skipped in total; last loss "
+                           f"{out.loss}); {self._streak_origin()}; no final checkpoint was written")
         self._finish()
         return self._result(stopped=False)
 
@@ -860,7 +952,7 @@ class Trainer:
         for name, fields, text in self._resume_changes:
             self.metrics.event(name, self.step, **fields)
             self.metrics.note(f"step {self.step}: {text}")
-        start_checkpoint_writer()  # deaf to the stop signals: a signal to the process group must not kill it
+        start_checkpoint_writer()  # an in-process results queue: no helper process for a signal to kill
 
     def _signal_before_first_step(self) -> bool:
         """A stop signal that came while the trainer was being built ends the run before it trains (nothing
@@ -896,10 +988,18 @@ class Trainer:
     def _stop_if_diverged(self, out: StepOutcome) -> None:
         """Bad-step handling: ``optim.max_consecutive_bad_steps`` skipped steps in a row raise
         :class:`TrainingDiverged` with a report naming the streak's first non-finite layer, its telemetry and
-        the last checkpoint written before the streak (collective)."""
+        the checkpoint to resume from (collective)."""
         cfg, streak = self.cfg, self.streak
         if streak.length < cfg.optim.max_consecutive_bad_steps:
             return
+        self._diverged(f"stopping at step {self.step}: {streak.length} consecutive steps with a non-finite "
+                       f"loss or gradient (optim.max_consecutive_bad_steps={cfg.optim.max_consecutive_bad_steps}"
+                       f"; {self.skipped_steps} skipped in total; last loss {out.loss}); {self._streak_origin()}")
+
+    def _streak_origin(self) -> str:
+        """The current streak's first non-finite layer and its telemetry, in words; sets
+        ``self._streak_fields`` for the ``diverged`` event (collective)."""
+        streak = self.streak
         first = streak.first
         first_layer = first.layer if first else None
         tel_rank = first.rank if first else 0  # its telemetry from the rank that named it
@@ -912,17 +1012,41 @@ class Trainer:
                      if layer_tel else "; no telemetry of it was collected")
         else:
             text = "no quantized layer saw a non-finite value (the loss, or a module outside them)"
-        msg = (f"stopping at step {self.step}: {streak.length} consecutive steps with a non-finite "
-               f"loss or gradient (optim.max_consecutive_bad_steps={cfg.optim.max_consecutive_bad_steps}"
-               f"; {self.skipped_steps} skipped in total; last loss {out.loss}); {text}. The last good "
-               f"checkpoint is {streak.checkpoint_before or 'none (none was saved)'} (rerun with "
-               f"checkpoint.resume=auto to resume from it); lower schedule.lr or check precision "
-               f"(python -m nvfp4_train.table)")
-        self.metrics.event("diverged", self.step, message=msg, first_nonfinite_layer=first_layer,
-                           first_nonfinite_step=streak.first_step if first else None,
-                           first_nonfinite_in=first.where if first else None,
-                           first_nonfinite_rank=first.rank if first else None, telemetry_step=tel_step,
-                           layer_telemetry=layer_tel, last_good_checkpoint=streak.checkpoint_before)
+        self._streak_fields = dict(first_nonfinite_layer=first_layer,
+                                   first_nonfinite_step=streak.first_step if first else None,
+                                   first_nonfinite_in=first.where if first else None,
+                                   first_nonfinite_rank=first.rank if first else None, telemetry_step=tel_step,
+                                   layer_telemetry=layer_tel)
+        return text
+
+    def _recovery_advice(self, newest: str | None) -> str:
+        """Which checkpoint to resume from (:attr:`recovery`) and how, given ``newest``: the newest checkpoint
+        with finite weights (what ``checkpoint.resume=auto`` picks)."""
+        rec = self.recovery
+        left = rec.describe_exit()
+        if newest is None:
+            return "No checkpoint was saved: start again with a lower schedule.lr"
+        if rec.checkpoint is None:
+            return (f"No checkpoint is known to have been followed by a loss inside its window"
+                    f"{f' ({left})' if left else ''}: the newest one, {newest}, may diverge again; resume from it "
+                    f"with a lower schedule.lr (checkpoint.resume=auto), or start again (another experiment.name)")
+        if rec.checkpoint == newest:
+            return (f"Resume from {newest}, the newest checkpoint (checkpoint.resume=auto picks it), with a lower "
+                    f"schedule.lr or another precision (python -m nvfp4_train.table)")
+        return (f"The newest checkpoint, {newest}, holds weights saved after {left}; resume from {rec.checkpoint}, "
+                f"the newest one whose weights were followed by a loss inside the window: rerun with "
+                f"checkpoint.resume={rec.checkpoint} and a lower schedule.lr or another precision "
+                f"(python -m nvfp4_train.table)")
+
+    def _diverged(self, head: str) -> None:
+        """Log the ``diverged`` event and raise :class:`TrainingDiverged`: ``head`` (what happened), then which
+        checkpoint to resume from."""
+        newest = self.streak.checkpoint_before if self.streak.length else (self.last_checkpoint or self.resumed_from)
+        msg = f"{head}. {self._recovery_advice(newest)}"
+        fields = self._streak_fields if self.streak.length else {}
+        self.metrics.event("diverged", self.step, message=msg, newest_checkpoint=newest,
+                           recover_from=self.recovery.checkpoint, loss_left_window_at=self.recovery.left_at,
+                           **fields)
         raise TrainingDiverged(msg)
 
     def _handle_spike(self, out: StepOutcome) -> bool:
@@ -942,13 +1066,9 @@ class Trainer:
             self._telemetry_next = True  # the step after the spike records every layer's telemetry
             return False
         if self.rollbacks >= cfg.spike.max_rollbacks:
-            msg = (f"stopping at step {self.step}: loss spike ({loss:.4f} > spike.factor "
-                   f"{cfg.spike.factor} x running median {med:.4f}) with spike.max_rollbacks="
-                   f"{cfg.spike.max_rollbacks} rollbacks done. The last checkpoint is "
-                   f"{self.last_checkpoint or self.resumed_from or 'none (none was saved)'}; lower schedule.lr, or "
-                   f"raise spike.factor or spike.max_rollbacks")
-            self.metrics.event("diverged", self.step, message=msg)
-            raise TrainingDiverged(msg)
+            self._diverged(f"stopping at step {self.step}: loss spike ({loss:.4f} > spike.factor {cfg.spike.factor} "
+                           f"x running median {med:.4f}) with spike.max_rollbacks={cfg.spike.max_rollbacks} "
+                           f"rollbacks done (or raise spike.factor or spike.max_rollbacks)")
         path = find_resume_checkpoint("auto", self.ckpt_dir, checksums=cfg.checkpoint.verify == "sha256")
         if path is None:
             self.metrics.note(f"step {self.step}: no checkpoint to roll back to yet; continuing")
@@ -987,7 +1107,9 @@ class Trainer:
 
     def _stop_on_signal(self) -> None:
         self.metrics.event("signal", self.step, signum=self._signals.signum)
-        self.metrics.note(f"step {self.step}: signal received, saving and stopping")
+        signum = self._signals.signum  # 0: it reached another rank
+        name = signal.Signals(signum).name if signum else "by another rank"
+        self.metrics.note(f"step {self.step}: signal received ({name}), saving and stopping")
         if self.cfg.checkpoint.save_on_signal and self.saved_step != self.step:
             self._save_unless_in_streak("signal")
 

@@ -3,7 +3,8 @@
 ``build_datasets(config, train_samples=..., valid_samples=..., vocab_size=model.vocab_size)`` is what the
 trainer calls. It validates every ``.bin``/``.idx`` pair first (``validate_indexed_dataset``: header, the
 whole index, sizes, every token id below the vocabulary; a missing, truncated or corrupt file, or a
-tokenizer that does not fit the model, is named before megatron-core memory-maps anything), then builds ``BlendedMegatronDatasetBuilder(GPTDataset, ...)`` with one blend per split
+tokenizer that does not fit the model, is a ``DataError`` naming it before megatron-core memory-maps anything),
+then builds ``BlendedMegatronDatasetBuilder(GPTDataset, ...)`` with one blend per split
 (``blend_per_split``), or with ``split`` over the training prefixes when no validation prefixes are given.
 
 Samples are ``seq_length`` tokens cut from the documents concatenated in a shuffled order (documents end
@@ -30,6 +31,7 @@ import contextlib
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -38,14 +40,22 @@ import numpy as np
 
 from nvfp4_train.data.tokenizer import BPETokenizer
 
-__all__ = ["DataConfig", "IndexInfo", "validate_indexed_dataset", "check_tokenizer_matches", "check_indexed_dataset",
-           "build_datasets", "build_data_loader", "PretrainingBatchSampler", "load_tokenizer_for",
-           "check_index_caches"]
+__all__ = ["DataConfig", "DataError", "DataFileNotFound", "IndexInfo", "validate_indexed_dataset",
+           "check_tokenizer_matches", "check_indexed_dataset", "build_datasets", "build_data_loader",
+           "PretrainingBatchSampler", "load_tokenizer_for", "check_index_caches"]
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
 _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
            8: np.uint16}
+
+_PREPARE_COMMAND = "python -m nvfp4_train.data.prepare"  # runs wherever the package is installed
+
+
+def _prepare(args: str = "") -> str:
+    """The data preparation command with ``args``, and its other names, for a message."""
+    command = f"{_PREPARE_COMMAND} {args}" if args else _PREPARE_COMMAND
+    return f"{command} (installed: nvfp4-prepare-data; in a checkout also scripts/prepare_data.py)"
 
 
 @dataclass(kw_only=True)
@@ -53,8 +63,8 @@ class DataConfig:
     """Where the tokens come from and how samples are cut (the ``data`` config section)."""
 
     train_prefixes: list[str] = field(default_factory=lambda: ["data/tokens/text_train"])
-    """Indexed datasets (paths without ``.bin``/``.idx``, as written by ``scripts/prepare_data.py``) blended
-    for training."""
+    """Indexed datasets (paths without ``.bin``/``.idx``, as written by ``python -m nvfp4_train.data.prepare``,
+    installed as ``nvfp4-prepare-data``) blended for training."""
     train_weights: list[float] | None = None
     """One positive weight per training prefix (normalised). None: proportional to each prefix's tokens."""
     valid_prefixes: list[str] = field(default_factory=lambda: ["data/tokens/text_validation"])
@@ -79,7 +89,9 @@ class DataConfig:
     slices, one worker is enough to prefetch)."""
     cache_dir: str | None = None
     """Where megatron-core caches its sample and blend indices (shared by all ranks of a node: rank 0 writes,
-    the others read). None: ``<prefix>/cache/GPTDataset_indices/`` per prefix, blend indices not cached."""
+    the others read). The shipped configs (``configs/data/*.yaml``) set it to ``${experiment.run_dir}/index_cache``,
+    in the run's own directory. None: ``<prefix>/cache/GPTDataset_indices/`` per prefix, blend indices not
+    cached."""
     eod_mask_loss: bool = False
     """Zero the loss on positions whose input token is EOD."""
     reset_position_ids: bool = False
@@ -93,7 +105,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not self.train_prefixes:
-            raise ValueError("data.train_prefixes is empty: give at least one prefix written by prepare_data.py")
+            raise ValueError(f"data.train_prefixes is empty: give at least one prefix written by {_PREPARE_COMMAND}")
         for name, prefixes, weights in (("train", self.train_prefixes, self.train_weights),
                                         ("valid", self.valid_prefixes, self.valid_weights)):
             if weights is None:
@@ -123,6 +135,20 @@ class DataConfig:
 
 # ----------------------------------------------------------------------------------------------------
 # Checking indexed datasets before megatron-core reads them
+
+
+class DataError(ValueError):
+    """A data file that cannot be trained on as configured: missing, truncated or corrupt, written for another
+    tokenizer, or too short for one sample. The message names the file, the problem and the fix (the
+    trainer reports it as a ``RunSetupError``: ``train.py`` prints it on one line and exits 2)."""
+
+
+class DataFileNotFound(DataError, FileNotFoundError):
+    """A ``.bin`` or ``.idx`` file of a configured prefix does not exist."""
+
+
+# The prefixes whose missing ``.meta.json`` was warned about (once per prefix and process).
+_WARNED_NO_META: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -164,60 +190,61 @@ def validate_indexed_dataset(prefix: str | os.PathLike, vocab_size: int | None =
     6. with ``vocab_size``: every token id lies in ``[0, vocab_size)``, by a full scan of the ``.bin`` in
        chunks of ``_SCAN_CHUNK`` ids (measured: 0.08 s for the 43 MB default training split).
 
-    Returns the counts (and the largest token id when scanned). Raises FileNotFoundError naming a missing
-    file, ValueError naming the file, the problem and the fix otherwise.
+    Returns the counts (and the largest token id when scanned). Raises :class:`DataFileNotFound` naming a
+    missing file, :class:`DataError` naming the file, the problem and the fix otherwise.
     """
     prefix = str(prefix)
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     for f in (idx, bin_):
         if not f.is_file():
-            raise FileNotFoundError(
-                f"{f} not found (dataset prefix {prefix!r}); create it with scripts/prepare_data.py "
-                f"--output-prefix ... (which writes <prefix>_train and <prefix>_validation)")
+            raise DataFileNotFound(
+                f"{f} not found (dataset prefix {prefix!r}); create it with "
+                f"{_prepare('--input ... --output-prefix ...')}, which writes <prefix>_train and "
+                f"<prefix>_validation")
     idx_size = idx.stat().st_size
     with open(idx, "rb") as f:
         header = f.read(_IDX_HEADER_BYTES)
     if len(header) < _IDX_HEADER_BYTES:
-        raise ValueError(f"{idx} is truncated: {idx_size} bytes, shorter than the {_IDX_HEADER_BYTES}-byte "
-                         f"header; re-run prepare_data.py")
+        raise DataError(f"{idx} is truncated: {idx_size} bytes, shorter than the {_IDX_HEADER_BYTES}-byte "
+                         f"header; re-run {_prepare()}")
     if header[:9] != _IDX_MAGIC:
-        raise ValueError(f"{idx} is not a megatron-core index (bad magic {header[:9]!r}, expected "
-                         f"{_IDX_MAGIC!r}); re-run prepare_data.py")
+        raise DataError(f"{idx} is not a megatron-core index (bad magic {header[:9]!r}, expected "
+                         f"{_IDX_MAGIC!r}); re-run {_prepare()}")
     version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
     if version != 1:
-        raise ValueError(f"{idx}: unsupported index version {version} (megatron-core reads version 1); "
-                         f"re-run prepare_data.py")
+        raise DataError(f"{idx}: unsupported index version {version} (megatron-core reads version 1); "
+                         f"re-run {_prepare()}")
     if code not in _DTYPES or not np.issubdtype(_DTYPES[code], np.integer):
         what = np.dtype(_DTYPES[code]).name if code in _DTYPES else "an unknown type"
-        raise ValueError(f"{idx}: dtype code {code} is {what}, not an integer token type "
+        raise DataError(f"{idx}: dtype code {code} is {what}, not an integer token type "
                          f"(codes {sorted(c for c, t in _DTYPES.items() if np.issubdtype(t, np.integer))}); "
-                         f"re-run prepare_data.py")
+                         f"re-run {_prepare()}")
     dtype = _DTYPES[code]
     itemsize = np.dtype(dtype).itemsize
     expected_idx = _IDX_HEADER_BYTES + 12 * n_seq + 8 * n_doc
     if idx_size < expected_idx:
-        raise ValueError(f"{idx} is truncated: {idx_size} bytes, its header describes {n_seq} sequences and "
-                         f"{n_doc - 1} documents = {expected_idx} bytes; re-run prepare_data.py")
+        raise DataError(f"{idx} is truncated: {idx_size} bytes, its header describes {n_seq} sequences and "
+                         f"{n_doc - 1} documents = {expected_idx} bytes; re-run {_prepare()}")
     if idx_size not in (expected_idx, expected_idx + n_seq):  # + n_seq: multimodal mode bytes
-        raise ValueError(f"{idx} is {idx_size} bytes but its header describes {expected_idx}: corrupt; "
-                         f"re-run prepare_data.py")
+        raise DataError(f"{idx} is {idx_size} bytes but its header describes {expected_idx}: corrupt; "
+                         f"re-run {_prepare()}")
 
     lengths = np.fromfile(idx, dtype="<i4", count=n_seq, offset=_IDX_HEADER_BYTES).astype(np.int64)
     pointers = np.fromfile(idx, dtype="<i8", count=n_seq, offset=_IDX_HEADER_BYTES + 4 * n_seq)
     doc_index = np.fromfile(idx, dtype="<i8", count=n_doc, offset=_IDX_HEADER_BYTES + 12 * n_seq)
-    fix = "re-run prepare_data.py"
+    fix = f"re-run {_prepare()}"
     if n_doc < 1 or doc_index[0] != 0 or doc_index[-1] != n_seq:
         ends = f"runs from {doc_index[0]} to {doc_index[-1]}" if n_doc else "is empty"
-        raise ValueError(f"{idx} is corrupt: its document index {ends}, not from 0 to its {n_seq} sequences; {fix}")
+        raise DataError(f"{idx} is corrupt: its document index {ends}, not from 0 to its {n_seq} sequences; {fix}")
     if n_doc > 1 and (np.diff(doc_index) < 0).any():
         d = _first_index(np.diff(doc_index) < 0)
-        raise ValueError(f"{idx} is corrupt: document {d + 1} starts at sequence {doc_index[d + 1]}, before "
+        raise DataError(f"{idx} is corrupt: document {d + 1} starts at sequence {doc_index[d + 1]}, before "
                          f"document {d} (sequence {doc_index[d]}); {fix}")
     if (lengths < 0).any():
         s = _first_index(lengths < 0)
-        raise ValueError(f"{idx} is corrupt: sequence {s} has length {lengths[s]}; {fix}")
+        raise DataError(f"{idx} is corrupt: sequence {s} has length {lengths[s]}; {fix}")
     if n_seq and pointers[0] != 0:
-        raise ValueError(f"{idx} is corrupt: the first sequence starts at byte {pointers[0]} of {bin_}, not 0; {fix}")
+        raise DataError(f"{idx} is corrupt: the first sequence starts at byte {pointers[0]} of {bin_}, not 0; {fix}")
     if n_seq > 1:
         steps = np.diff(pointers)
         if (steps != lengths[:-1] * itemsize).any():
@@ -225,12 +252,12 @@ def validate_indexed_dataset(prefix: str | os.PathLike, vocab_size: int | None =
                 if (steps == lengths[:-1] * other).all():
                     names = "/".join(np.dtype(t).name for t in _DTYPES.values()
                                      if np.issubdtype(t, np.integer) and np.dtype(t).itemsize == other)
-                    raise ValueError(
+                    raise DataError(
                         f"{idx}: dtype mismatch: its header says {np.dtype(dtype).name} ({itemsize} bytes per "
                         f"token) but its sequence pointers advance by {other} bytes per token ({names}): the "
                         f"header's dtype code is wrong; {fix}")
             s = _first_index(steps != lengths[:-1] * itemsize) + 1
-            raise ValueError(f"{idx} is corrupt: sequence {s} starts at byte {pointers[s]} of {bin_}, but "
+            raise DataError(f"{idx} is corrupt: sequence {s} starts at byte {pointers[s]} of {bin_}, but "
                              f"sequence {s - 1} ends at byte {pointers[s - 1] + lengths[s - 1] * itemsize}; {fix}")
     expected_bin = int(pointers[-1] + lengths[-1] * itemsize) if n_seq else 0
     tokens = expected_bin // itemsize
@@ -242,9 +269,9 @@ def validate_indexed_dataset(prefix: str | os.PathLike, vocab_size: int | None =
                 hint = (f" ({bin_size} bytes = {tokens} tokens of {other} bytes: the files disagree on the "
                         f"token dtype, {np.dtype(dtype).name} in the .idx)")
         if bin_size < expected_bin:
-            raise ValueError(f"{bin_} is truncated: {bin_size} bytes, but {idx} describes {tokens} tokens of "
+            raise DataError(f"{bin_} is truncated: {bin_size} bytes, but {idx} describes {tokens} tokens of "
                              f"{np.dtype(dtype).name} = {expected_bin} bytes{hint}; {fix}")
-        raise ValueError(f"{bin_} is {bin_size} bytes, but {idx} describes {expected_bin}: the pair comes from "
+        raise DataError(f"{bin_} is {bin_size} bytes, but {idx} describes {expected_bin}: the pair comes from "
                          f"different runs{hint}; {fix}")
 
     max_token = None
@@ -260,10 +287,10 @@ def validate_indexed_dataset(prefix: str | os.PathLike, vocab_size: int | None =
                 pos = start + _first_index((chunk < 0) | (chunk >= vocab_size))
                 seq = int(np.searchsorted(pointers, pos * itemsize, side="right")) - 1
                 bad = int(data[pos])
-                raise ValueError(
+                raise DataError(
                     f"{bin_} holds token id {bad} (token {pos}, in sequence {seq}) but the vocabulary has "
                     f"{vocab_size} ids (0..{vocab_size - 1}): the file was tokenized with another (larger) "
-                    f"vocabulary, or is corrupt; re-run prepare_data.py with the model's tokenizer, or give the "
+                    f"vocabulary, or is corrupt; re-run {_prepare()} with the model's tokenizer, or give the "
                     f"model a vocab_size of at least {bad + 1}")
             max_token = max(max_token, hi)
         del data
@@ -272,37 +299,43 @@ def validate_indexed_dataset(prefix: str | os.PathLike, vocab_size: int | None =
 
 def check_tokenizer_matches(info: IndexInfo, tokenizer: BPETokenizer) -> None:
     """The dataset was written for ``tokenizer``: its dtype holds the tokenizer's ids, and its
-    ``.meta.json`` (where present) names the same tokenizer file (sha256) and dtype."""
+    ``.meta.json`` names the same tokenizer file (sha256) and dtype. Without a ``.meta.json`` (files written by
+    another tool) the tokenizer cannot be checked: a warning says so, once per prefix and process. Raises
+    :class:`DataError`."""
     prefix = info.prefix
     bin_ = prefix + ".bin"
     if np.iinfo(info.dtype).max < tokenizer.vocab_size - 1:
-        raise ValueError(f"{bin_} stores {np.dtype(info.dtype).name} ids, too small for the tokenizer's "
+        raise DataError(f"{bin_} stores {np.dtype(info.dtype).name} ids, too small for the tokenizer's "
                          f"{tokenizer.vocab_size} ids: it was prepared with another tokenizer; re-run "
-                         f"prepare_data.py with {tokenizer.path}")
+                         f"{_prepare(f'--tokenizer {tokenizer.path}')}")
     meta_path = Path(prefix + ".meta.json")
     if not meta_path.is_file():
+        if prefix not in _WARNED_NO_META:
+            _WARNED_NO_META.add(prefix)
+            warnings.warn(f"{meta_path} not found: the tokenizer {prefix} was prepared with cannot be checked (only "
+                          f"that its ids fit the vocabulary); {_PREPARE_COMMAND} writes this file", stacklevel=3)
         return
     try:
         meta = json.loads(meta_path.read_text())
     except ValueError as e:
-        raise ValueError(f"{meta_path} is not valid JSON ({e}): re-run prepare_data.py or delete it") from None
+        raise DataError(f"{meta_path} is not valid JSON ({e}): re-run {_prepare()} or delete it") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path} is not a JSON object: re-run prepare_data.py or delete it")
+        raise DataError(f"{meta_path} is not a JSON object: re-run {_prepare()} or delete it")
     tok_meta = meta.get("tokenizer") or {}
     if tok_meta.get("sha256") not in (None, tokenizer.sha256):
-        raise ValueError(
+        raise DataError(
             f"{prefix} was tokenized with {tok_meta.get('path')} (sha256 {tok_meta['sha256'][:12]}…), not with "
-            f"{tokenizer.path} (sha256 {tokenizer.sha256[:12]}…): re-run prepare_data.py with this "
-            f"tokenizer or set data.tokenizer to the one used")
+            f"{tokenizer.path} (sha256 {tokenizer.sha256[:12]}…): re-run "
+            f"{_prepare(f'--tokenizer {tokenizer.path}')}, or set data.tokenizer to the one used")
     if meta.get("dtype") not in (None, np.dtype(info.dtype).name):
-        raise ValueError(f"{prefix}.idx says the tokens are {np.dtype(info.dtype).name}, but {meta_path} records "
-                         f"{meta['dtype']}: the files come from different runs; re-run prepare_data.py")
+        raise DataError(f"{prefix}.idx says the tokens are {np.dtype(info.dtype).name}, but {meta_path} records "
+                         f"{meta['dtype']}: the files come from different runs; re-run {_prepare()}")
 
 
 def check_indexed_dataset(prefix: str | os.PathLike, tokenizer: BPETokenizer | None = None) -> IndexInfo:
     """``validate_indexed_dataset`` (scanning the token ids against the tokenizer's vocabulary when one is
-    given) and ``check_tokenizer_matches``. Raises FileNotFoundError naming a missing file, ValueError naming
-    a truncated, corrupt or mismatched one."""
+    given) and ``check_tokenizer_matches``. Raises :class:`DataFileNotFound` (a ``FileNotFoundError``) naming a
+    missing file, :class:`DataError` (a ``ValueError``) naming a truncated, corrupt or mismatched one."""
     if tokenizer is None:
         return validate_indexed_dataset(prefix)
     info = validate_indexed_dataset(prefix)
@@ -388,8 +421,6 @@ def check_index_caches(directories) -> list[Path]:
     which unpickles any file that is not a ``.npy`` array. So a cache file is used only when it is a complete
     ``.npy`` array of plain numbers; nothing in it is ever unpickled. Call it on the rank that builds the
     caches, before megatron-core opens them."""
-    import warnings
-
     removed: list[Path] = []
     for d in directories:
         d = Path(d)
@@ -451,7 +482,7 @@ def _check_split_ranges(config: DataConfig, infos: dict[str, IndexInfo]) -> None
                 continue
             beg, end = int(round(bookends[0] * n)), int(round(bookends[1] * n))
             if int(lengths[beg:end].sum()) == 0:
-                raise ValueError(
+                raise DataError(
                     f"data.split {config.split!r} gives the {name} split of {p} its documents [{beg}, {end}) of "
                     f"{n}, which hold no tokens (megatron-core would loop forever building it): use more "
                     f"documents, a larger {name} share, a share of 0 for it, or data.valid_prefixes")
@@ -478,8 +509,9 @@ def build_datasets(config: DataConfig, *, train_samples: int, valid_samples: int
     ``vocab_size``: the model's vocabulary (embedding rows, ``ModelConfig.vocab_size``); the tokenizer's ids
     must fit in it. None: the tokenizer's own size. Every prefix is validated first
     (``validate_indexed_dataset``, with a full scan of its token ids against the tokenizer's vocabulary),
-    so a bad file or a vocabulary mismatch is an error here, before any training step. megatron-core's index
-    caches are checked first (:func:`check_index_caches`): a truncated or non-``.npy`` one is rebuilt.
+    so a bad file or a vocabulary mismatch is an error here (:class:`DataError`), before any training step.
+    megatron-core's index caches are checked first (:func:`check_index_caches`): a truncated or non-``.npy`` one
+    is rebuilt.
     """
     if train_samples < 1:
         raise ValueError(f"train_samples must be >= 1, got {train_samples}")
@@ -487,7 +519,7 @@ def build_datasets(config: DataConfig, *, train_samples: int, valid_samples: int
         raise ValueError(f"valid_samples must be >= 0, got {valid_samples}")
     tok = tokenizer or load_tokenizer_for(config)
     if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise ValueError(
+        raise DataError(
             f"the tokenizer {tok.path} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
             f"ids {vocab_size}..{tok.vocab_size - 1} would index past the embedding; set the model's "
             f"vocab_size to at least {tok.vocab_size} (e.g. {-(-tok.vocab_size // 128) * 128}) or use a "
@@ -496,7 +528,7 @@ def build_datasets(config: DataConfig, *, train_samples: int, valid_samples: int
     infos = {p: check_indexed_dataset(p, tok) for p in prefixes}
     for p, info in infos.items():
         if info.tokens <= config.seq_length:
-            raise ValueError(f"{p} holds {info.tokens} tokens, not enough for one sample of seq_length "
+            raise DataError(f"{p} holds {info.tokens} tokens, not enough for one sample of seq_length "
                              f"{config.seq_length} + 1")
 
     if not config.valid_prefixes:
@@ -583,13 +615,19 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 
 
 def build_data_loader(dataset, *, micro_batch_size: int, consumed_samples: int = 0, dp_rank: int = 0,
-                      dp_size: int = 1, num_workers: int = 0):
+                      dp_size: int = 1, num_workers: int = 0, seed: int = 0):
     """A DataLoader over `dataset` (from `build_datasets`) yielding this rank's micro-batches as dicts of
-    stacked tensors (``tokens``: ``[micro_batch_size, seq_length]`` ...)."""
+    stacked tensors (``tokens``: ``[micro_batch_size, seq_length]`` ...).
+
+    The loader draws its workers' base seed from a generator of its own (seeded with ``seed``), not from the
+    process's CPU generator: each ``iter(loader)`` would otherwise advance that generator by one draw, so a
+    resumed run (which opens its iterator after restoring the RNG states) would save other RNG states than an
+    uninterrupted one. The samples use no randomness: the order is the sampler's."""
     import torch
 
     sampler = PretrainingBatchSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
                                       micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False,
-        persistent_workers=num_workers > 0, worker_init_fn=_ignore_stop_signals if num_workers > 0 else None)
+        persistent_workers=num_workers > 0, worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed))

@@ -6,7 +6,7 @@ __all__ = ["write_results_queue_set", "set_write_results_queue"]
 
 
 def write_results_queue_set() -> bool:
-    """Whether dist-checkpointing already has the queue its writer processes report through.
+    """Whether dist-checkpointing already has the queue its writer reports its results through.
 
     megatron-core 0.16.1 ... 0.19.2: the queue is the module global ``filesystem_async._results_queue``, created
     by ``get_write_results_queue()`` in a ``multiprocessing`` Manager it spawns at the first save (no
@@ -17,8 +17,8 @@ def write_results_queue_set() -> bool:
 
 
 def set_write_results_queue(queue) -> None:
-    """Make ``queue`` (from a Manager the caller started) the writer's results queue (see
-    :func:`write_results_queue_set`)."""
+    """Make ``queue`` the writer's results queue (see :func:`write_results_queue_set`): for synchronous saves an
+    in-process ``queue.Queue`` (the caller puts and gets; ``nvfp4_train.checkpoint.start_checkpoint_writer``)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not hasattr(filesystem_async, "_results_queue"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ import torch
 
 from nvfp4_train.data.datasets import (
     DataConfig,
+    DataError,
+    DataFileNotFound,
     PretrainingBatchSampler,
     build_data_loader,
     build_datasets,
@@ -188,8 +191,61 @@ def test_tokenizer_mismatch_is_caught(prepared, tmp_path, tok):
     meta = json.loads(meta_path.read_text())
     meta["tokenizer"]["sha256"] = "0" * 64
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=rf"{prefix}_validation was tokenized with .* re-run prepare_data"):
+    with pytest.raises(ValueError, match=rf"{prefix}_validation was tokenized with .* re-run python -m "
+                                         rf"nvfp4_train\.data\.prepare --tokenizer {re.escape(str(tok.path))} "
+                                         rf"\(installed: nvfp4-prepare-data; in a checkout also "
+                                         rf"scripts/prepare_data\.py\), or set data\.tokenizer to the one used"):
         build_datasets(config(prefix, tmp_path), train_samples=10, valid_samples=1, tokenizer=tok)
+
+
+def test_a_missing_or_damaged_file_names_the_command_that_prepares_it(tmp_path):
+    """The fix names the module command, which runs wherever the package is installed (``scripts/`` is not in a
+    wheel); before, the messages named only scripts/prepare_data.py."""
+    prefix = tmp_path / "text_train"
+    with pytest.raises(DataFileNotFound) as missing:
+        check_indexed_dataset(prefix)
+    assert str(missing.value) == (
+        f"{prefix}.idx not found (dataset prefix {str(prefix)!r}); create it with python -m nvfp4_train.data.prepare "
+        f"--input ... --output-prefix ... (installed: nvfp4-prepare-data; in a checkout also "
+        f"scripts/prepare_data.py), which writes <prefix>_train and <prefix>_validation")
+    Path(f"{prefix}.idx").write_bytes(b"MMIDIDX")
+    Path(f"{prefix}.bin").write_bytes(b"")
+    with pytest.raises(DataError) as truncated:
+        check_indexed_dataset(prefix)
+    assert str(truncated.value).endswith(
+        "; re-run python -m nvfp4_train.data.prepare (installed: nvfp4-prepare-data; in a checkout also "
+        "scripts/prepare_data.py)")
+
+
+def test_a_prefix_without_its_meta_file_warns_once_that_the_tokenizer_cannot_be_checked(prepared, tmp_path, tok):
+    """A .bin/.idx pair written by another tool has no .meta.json: the ids are still scanned against the
+    vocabulary, but which tokenizer wrote them cannot be known. Before, that passed silently."""
+    import warnings
+
+    prefix, _, _ = prepared
+    meta = Path(f"{prefix}_train.meta.json")
+    meta.unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            check_indexed_dataset(f"{prefix}_train", tok)
+        build_datasets(config(prefix, tmp_path), train_samples=10, valid_samples=1, tokenizer=tok)
+    said = [str(w.message) for w in caught if "cannot be checked" in str(w.message)]
+    assert said == [f"{meta} not found: the tokenizer {prefix}_train was prepared with cannot be checked (only that "
+                    f"its ids fit the vocabulary); python -m nvfp4_train.data.prepare writes this file"]
+    assert not [w for w in caught if f"{prefix}_validation" in str(w.message)]  # it has its meta file
+
+
+def test_data_errors_are_their_own_classes(prepared, tmp_path, tok):
+    """The trainer reports these as one-line errors (RunSetupError); they stay ValueError / FileNotFoundError."""
+    prefix, _, _ = prepared
+    Path(f"{prefix}_train.idx").write_bytes(b"MMIDIDX")
+    with pytest.raises(DataError, match="is truncated: 7 bytes"):
+        check_indexed_dataset(f"{prefix}_train", tok)
+    Path(f"{prefix}_train.idx").unlink()
+    with pytest.raises(DataFileNotFound) as e:
+        build_datasets(config(prefix, tmp_path), train_samples=10, valid_samples=1, tokenizer=tok)
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
 
 
 def test_too_few_tokens(prepared, tmp_path, tok):
@@ -214,6 +270,19 @@ def test_loader_splits_global_batches_over_ranks_and_resumes(prepared, tmp_path,
                                      num_workers=1))
     assert len(resumed) == steps - 3
     assert all(torch.equal(x["tokens"], y["tokens"]) for x, y in zip(resumed, batches[1][3:], strict=True))
+
+
+def test_opening_a_loader_draws_nothing_from_the_process_rng(prepared, tmp_path, tok):
+    """Each ``iter(DataLoader)`` drew one number from the process's CPU generator (its workers' base seed): a
+    resumed run, which opens its iterator after restoring the RNG states, saved other RNG states than an
+    uninterrupted run. The loader now has a generator of its own; the batches do not change."""
+    prefix, _, _ = prepared
+    tr, _ = build_datasets(config(prefix, tmp_path), train_samples=16, valid_samples=0, tokenizer=tok)
+    before = torch.get_rng_state()
+    for workers in (0, 1):
+        first = next(iter(build_data_loader(tr, micro_batch_size=2, num_workers=workers)))
+        assert torch.equal(first["tokens"], torch.stack([tr[0]["tokens"], tr[1]["tokens"]]))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_batch_sampler_indices():

@@ -130,7 +130,7 @@ def test_truncated_idx(dataset, data):
     prefix, _, bin_bytes, idx_bytes = dataset
     cut = data.draw(st.integers(0, len(idx_bytes) - 1), label="idx length")
     restore(prefix, bin_bytes, idx_bytes[:cut])
-    with pytest.raises(ValueError, match=rf"{prefix}\.idx is truncated: {cut} bytes.* re-run prepare_data.py"):
+    with pytest.raises(ValueError, match=rf"{prefix}\.idx is truncated: {cut} bytes.* re-run python -m nvfp4_train\.data\.prepare"):
         validate_indexed_dataset(prefix, VOCAB)
 
 
@@ -364,7 +364,7 @@ def test_bad_meta_file_and_missing_tokenizer_are_named(tmp_path, tok):
     meta = Path(f"{prefix}.meta.json")
     for text, msg in (("{", rf"{meta} is not valid JSON"), ("[1, 2]", rf"{meta} is not a JSON object")):
         meta.write_text(text)
-        with pytest.raises(ValueError, match=msg + r".*re-run prepare_data.py or delete it"):
+        with pytest.raises(ValueError, match=msg + r".*re-run python -m nvfp4_train\.data\.prepare .*\) or delete it"):
             build_datasets(split_config(prefix, tmp_path), train_samples=4, valid_samples=0, tokenizer=tok)
     meta.unlink()
     cfg = DataConfig(train_prefixes=[str(prefix)], valid_prefixes=[], split="100,0,0", seq_length=16,

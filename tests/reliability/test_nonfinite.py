@@ -64,7 +64,8 @@ def nan_gradient_runs(tmp_path) -> None:
     assert "its quantization telemetry at step 5: fprop.x zero" in log
     assert "2 consecutive steps with a non-finite loss or gradient" in log
     ckpt = bad / "checkpoints" / "step_0000003"
-    assert f"The last good checkpoint is {ckpt}" in log
+    assert f"Resume from {ckpt}, the newest checkpoint (checkpoint.resume=auto picks it)" in log
+    assert div["newest_checkpoint"] == div["recover_from"] == str(ckpt)  # step 4's loss was finite: ckpt is sound
 
     # resume on request: from that checkpoint, no fault now; the steps after it are those of a run that
     # never had one (bitwise: the checkpoint carries the stochastic-rounding counters)

@@ -292,6 +292,56 @@ def test_free_space_below_the_last_checkpoint_is_refused_before_writing(tmp_path
     check_free_space(tmp_path)
 
 
+def test_lowering_keep_last_makes_room_for_the_next_save(tmp_path, monkeypatch):
+    """The disk-full message suggested lowering checkpoint.keep_last, which did nothing (the pruning runs only
+    after a successful save). Now a save short of space first deletes what its own pruning would delete after
+    it (``make_room``: never the newest checkpoint, the newest finite one, or one named in ``keep``), and the
+    message names the keep_last that makes room: the sequence of a save with keep_last=4, then a resume with
+    the keep_last the message gives."""
+    from nvfp4_train.checkpoint import make_room
+
+    for s in (10, 20, 30, 40):
+        _save(tmp_path, s, keep_last=4)
+    sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and f.name != "manifest.json")
+             for p in list_checkpoints(tmp_path)}
+    usage = ckpt.shutil.disk_usage(tmp_path)
+    free = {"bytes": sizes["step_0000040"] - sizes["step_0000010"] - 1}  # one deleted checkpoint is not enough
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=free["bytes"]))
+    real_rmtree = ckpt.shutil.rmtree
+
+    def deleting(p, ignore_errors=False):  # the file system gets the deleted bytes back
+        if Path(p).exists():
+            free["bytes"] += sizes.get(Path(p).name.removeprefix(".trash_"), 0)
+        real_rmtree(p, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", deleting)
+    assert [p.name for p in make_room(tmp_path, 4)] == ["step_0000010"]  # what the save's pruning deletes after it
+    with pytest.raises(CheckpointWriteError) as e:
+        check_free_space(tmp_path)
+    assert e.value.reason.endswith("the earlier checkpoints are intact: free space, or resume with "
+                                   "checkpoint.keep_last=3 (the next save then first deletes step_0000020)")
+    with pytest.raises(CheckpointWriteError, match=r"keep_last=2 \(the next save then first deletes step_0000030\)$"):
+        check_free_space(tmp_path, keep=("step_0000020",))  # a protected one is never counted as room
+    assert [p.name for p in make_room(tmp_path, 3)] == ["step_0000020"]  # the resume with keep_last=3
+    check_free_space(tmp_path)  # room now
+    assert make_room(tmp_path, 1) == [] and [p.name for p in list_checkpoints(tmp_path)] == ["step_0000030",
+                                                                                             "step_0000040"]
+    free["bytes"] = 0
+    assert [p.name for p in make_room(tmp_path, 1)] == ["step_0000030"]  # never the newest (latest, finite) one
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000040"]
+    with pytest.raises(CheckpointWriteError, match="the earlier checkpoints are intact: free space, then resume$"):
+        check_free_space(tmp_path)
+
+
+def test_pruning_keeps_the_checkpoints_it_is_told_to(tmp_path):
+    """The trainer passes the checkpoint a divergence report would name (``keep``): pruning never deletes it."""
+    for s in (10, 20, 30, 40):
+        _save(tmp_path, s, keep_last=4)
+    assert [p.name for p in prune_checkpoints(tmp_path, 1, keep=("step_0000020",))] == ["step_0000010",
+                                                                                        "step_0000030"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000020", "step_0000040"]
+
+
 @pytest.mark.parametrize("code, words", [("ENOSPC", "no space left on"), ("EDQUOT", "no space left on"),
                                          ("EFBIG", "file-size limit"), ("EROFS", "read-only file system")])
 def test_a_writer_failure_is_named_through_its_wrapper(tmp_path, code, words):
@@ -330,8 +380,11 @@ def test_check_writable_before_the_first_step(tmp_path, monkeypatch):
     check_writable(tmp_path / "a" / "b")  # created
     assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
     (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointWriteError, match="found before the first step"):
+    with pytest.raises(CheckpointWriteError, match=f"{tmp_path / 'file'} is a file, not a directory, found before "
+                                                   f"the first step"):
         check_writable(tmp_path / "file")
+    with pytest.raises(CheckpointWriteError, match=f"{tmp_path / 'file'} is a file, not a directory"):
+        check_writable(tmp_path / "file" / "below")
     import errno
 
     def read_only(*_a, **_k):

@@ -1,7 +1,7 @@
 """Faults of a whole run (train.py in subprocesses, the GPTModel stand-in, CPU, one rank): no checkpoint during
-a streak of bad steps, a second run in a used run directory, a SIGTERM to the process group with DataLoader
-workers and before the first step, and resumes that change the schedule or the precision or re-run a finished
-run."""
+a streak of bad steps, a second run in a used run directory, a run directory that is a file, a SIGTERM to the
+process group with DataLoader workers and before the first step, and resumes that change the schedule or the
+precision or re-run a finished run."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def runs(request, tmp_path_factory) -> tuple[Path, dict]:
             lambda: _dataloader_workers(tmp),
         "test_no_checkpoint_is_written_during_a_streak_of_bad_steps": lambda: _streak(tmp),
         "test_sigterm_before_the_first_step_exits_0_and_names_it": lambda: _sigterm_in_build(tmp),
+        "test_a_run_directory_that_is_a_file_is_one_line_and_exit_status_4": lambda: _run_dir_is_a_file(tmp),
     })
 
 
@@ -53,8 +54,13 @@ def test_no_checkpoint_is_written_during_a_streak_of_bad_steps(runs):
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
     assert [e["step"] for e in events(out) if e["event"] == "checkpoint_skipped"] == [3, 4]
     (div,) = [e for e in events(out) if e["event"] == "diverged"]
-    assert div["last_good_checkpoint"] == str(out / "checkpoints" / "step_0000002")
-    assert f"The last good checkpoint is {out / 'checkpoints' / 'step_0000002'}" in (tmp / "n.log").read_text()
+    ckpts = out / "checkpoints"
+    assert div["newest_checkpoint"] == str(ckpts / "step_0000002")
+    # step_2's weights computed step 3's NaN loss: the report points at step_1, the newest one followed by a
+    # sound loss (tests/reliability/test_divergence.py)
+    assert div["recover_from"] == str(ckpts / "step_0000001") and div["loss_left_window_at"] == 3
+    assert f"The newest checkpoint, {ckpts / 'step_0000002'}, holds weights saved after the loss left its window at " \
+           f"step 3 (loss nan); resume from {ckpts / 'step_0000001'}" in (tmp / "n.log").read_text()
 
 
 _HOLD = """
@@ -77,7 +83,7 @@ def _second_run(tmp: Path) -> dict:
         got["holder"] = holder.stdout.readline().strip()
         args = [*TINY, "schedule.train_steps=3", f"experiment.run_dir={out}"]
         got["second"] = run(args, log=tmp / "second.log")
-        got["mixed_in"] = (out / "metrics.jsonl").exists() or (out / "config.yaml").exists()
+        got["left"] = sorted(p.name for p in out.iterdir())
     finally:
         holder.kill()  # SIGKILL: the kernel drops its flock, the lock file stays
         holder.wait()
@@ -93,7 +99,7 @@ def test_a_second_run_in_a_used_run_directory_is_refused_and_a_dead_runs_lock_ta
     assert got["second"] == 2, tail(tmp / "second.log")
     log = (tmp / "second.log").read_text()
     assert f"run directory {out} is in use by another run (pid 4242 on host elsewhere" in log
-    assert not got["mixed_in"]  # nothing mixed in: no metrics.jsonl, no config.yaml
+    assert got["left"] == [".lock"]  # nothing written: no metrics.jsonl, config.yaml, warnings.log (appended to before)
     assert got["third"] == 0, tail(tmp / "third.log")
     (ev,) = [e for e in events(out) if e["event"] == "lock_taken_over"]
     assert ev["previous"] == "pid 4242 on host elsewhere"
@@ -181,6 +187,25 @@ def test_sigterm_before_the_first_step_exits_0_and_names_it(runs):
     assert load_metrics(out) == [] and not list((out / "checkpoints").glob("step_*"))  # the directory is checked writable up front
     (ev,) = [e for e in events(out) if e["event"] == "signal"]
     assert ev["before_first_step"] is True
+
+
+def _run_dir_is_a_file(tmp: Path) -> int:
+    (tmp / "afile").write_text("x")
+    return run([*TINY, "schedule.train_steps=3", f"experiment.run_dir={tmp / 'afile'}"], log=tmp / "f.log")
+
+
+def test_a_run_directory_that_is_a_file_is_one_line_and_exit_status_4(runs):
+    """Before: ``FileExistsError`` in a 24-line traceback, exit status 1 (``warnings.log`` was opened in the run
+    directory before anything checked it)."""
+    tmp, res = runs
+    rc = res["test_a_run_directory_that_is_a_file_is_one_line_and_exit_status_4"].result()
+    log = (tmp / "f.log").read_text()
+    assert rc == 4, tail(tmp / "f.log")
+    assert "Traceback" not in log
+    (line,) = [x for x in log.splitlines() if x.startswith("train.py: ")]
+    assert line == (f"train.py: cannot write {tmp / 'afile'}: {tmp / 'afile'} is a file, not a directory, found "
+                    f"before the first step: set experiment.run_dir / checkpoint.dir to a writable directory (or make "
+                    f"this one writable)")
 
 
 def test_sigterm_while_the_config_is_composed_exits_0(tmp_path):

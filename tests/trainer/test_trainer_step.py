@@ -63,3 +63,52 @@ def test_a_non_finite_learning_rate_skips_the_update(tmp_path, one_process_env, 
         nxt = t.train_step()
         assert not nxt.skipped and t.streak.length == 0 and t.skipped_steps == 1
         assert all(torch.isfinite(p).all() for p in t.ddp.module.parameters())
+
+
+def test_a_resumed_run_saves_bitwise_the_uninterrupted_runs_state(tmp_path, one_process_env):
+    """Train 4 steps and save; train 2 (a SIGTERM during step 2: save and stop), resume, train 2 and save: the
+    two step_4 checkpoints hold the same RNG states and trainer state, not just the same losses. Before, each
+    resume drew once more from the CPU generator (the data loader's iterator, made after the restore, took its
+    workers' seed from it)."""
+    import json
+    import signal
+
+    from nvfp4_train.checkpoint import step_dir_name
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    with Trainer(_cfg(a, "schedule.train_steps=4", "checkpoint.save_at_end=true")) as t:
+        t.run()
+    with Trainer(_cfg(b, "schedule.train_steps=4", "checkpoint.save_at_end=true")) as t:
+        step = t.train_step
+
+        def preempted_in_step_2():
+            if t.step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler: stop after this step
+            return step()
+
+        t.train_step = preempted_in_step_2
+        assert t.run().stopped_by_signal and t.step == 2
+    with Trainer(_cfg(b, "schedule.train_steps=4", "checkpoint.save_at_end=true")) as t:
+        assert t.resumed_from == str(b / "checkpoints" / step_dir_name(2))
+        t.run()
+    last = [run / "checkpoints" / step_dir_name(4) for run in (a, b)]
+    ra, rb = (torch.load(d / "rng" / "rank_00000.pt", weights_only=True) for d in last)
+    assert ra.keys() == rb.keys()
+    for key in ra:
+        assert _same(ra[key], rb[key]), key
+    sa, sb = (json.loads((d / "trainer_state.json").read_text()) for d in last)
+    # the one difference: run b wrote step_2, whose weights gave step 3 a sound loss (run a wrote none before)
+    assert (sa["recovery"].pop("checkpoint"), sb["recovery"].pop("checkpoint")) == (None, step_dir_name(2))
+    assert sa == sb
+    assert [r["loss"] for r in load_metrics(a)] == [r["loss"] for r in load_metrics(b)]
+
+
+def _same(x, y) -> bool:
+    """Bitwise equality of nested RNG states (tensors, tuples, lists, dicts, numbers, strings)."""
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    return x == y
