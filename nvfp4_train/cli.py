@@ -9,7 +9,8 @@ Each takes Hydra overrides (``group=option``, ``section.key=value``, ``+key=valu
     -h, --help          the config groups with their options and defaults, then the tool's own help
     --cfg job           print the resolved config (YAML) and exit without running
     -m, --multirun      a sweep: ``a=1,2 b=x,y`` runs every combination, one after the other (training: one
-                        process per run, each in ``<run dir>/<n>`` unless ``experiment.run_dir`` is swept)
+                        process per run, each in ``<run dir>/<n>`` unless ``experiment.run_dir`` is swept;
+                        every job's config is composed and checked before the first one starts)
 
 The tools compose with ``nvfp4_train.config.compose_config`` (no ``@hydra.main``: no output directory per
 launch or rank, no working-directory change).
@@ -21,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-__all__ = ["parse_args", "sweep", "help_text", "train_main", "summary_main", "table_main", "CliArgs"]
+__all__ = ["parse_args", "sweep", "sweep_jobs", "help_text", "train_main", "summary_main", "table_main", "CliArgs"]
 
 CFG_KINDS = ("job",)
 
@@ -93,15 +94,21 @@ def help_text(prog: str, doc: str, config_name: str) -> str:
     return "\n".join(lines)
 
 
-def _error(prog: str, e: BaseException) -> int:
+def _message(e: BaseException) -> str:
+    """One line: the message of ``e`` and of its causes (Hydra puts the key and the reason in the cause), the
+    first line of each, leaving out what an earlier one already says."""
     parts, seen = [], set()
-    while e is not None and id(e) not in seen:  # Hydra puts the key and the reason in the cause
+    while e is not None and id(e) not in seen:
         seen.add(id(e))
-        msg = str(e).strip()
-        if msg and msg not in parts and "$VALUE" not in msg:
+        msg = (str(e).strip().splitlines() or [""])[0].strip()
+        if msg and "$VALUE" not in msg and not any(msg in p for p in parts):
             parts.append(msg)
-        e = e.__cause__ or e.__context__
-    print(f"{prog}: config error: " + "\n  caused by: ".join(parts), file=sys.stderr)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return "; caused by: ".join(parts)
+
+
+def _error(prog: str, e: BaseException) -> int:
+    print(f"{prog}: config error: {_message(e)}", file=sys.stderr)
     return 2
 
 
@@ -159,13 +166,22 @@ def run_tool(argv: Sequence[str], *, prog: str, doc: str, config_name: str,
 TRAIN_DOC = """nvfp4-train (python train.py): compose the config (train.yaml + overrides), build, train.
 
     nvfp4-train model=tiny precision=nvfp4 schedule.train_steps=50
-    torchrun --nproc-per-node 8 train.py model=1.2b parallel.tp=2 experiment.name=run1
-    nvfp4-train -m precision=bf16,nvfp4 experiment.name=cmp      (one run after the other)
+    torchrun --nproc-per-node 8 --no-python nvfp4-train model=1.2b parallel.tp=2 experiment.name=run1
+    nvfp4-train -m precision=bf16,nvfp4 experiment.run_dir=runs/cmp   (one run after the other: runs/cmp/0, 1)
 
-The run directory is experiment.run_dir (default runs/<experiment.name>), shared by all ranks.
-Exit status: 0 done, or stopped cleanly by SIGTERM/SIGUSR1 (checkpoint saved; before the first step: nothing
-to save); 2 bad config (one line naming the key), or the run directory is in use by another run; 3 diverged;
-4 a checkpoint could not be written (no space, a file-size limit, a read-only directory; earlier ones intact)."""
+The run directory is experiment.run_dir (default runs/<experiment.name>; the name defaults to
+<model>_<precision>, the configs chosen: tiny_nvfp4), shared by all ranks. A sweep runs job n in
+<run dir>/<n> unless experiment.run_dir is swept, and checks every job's config before the first starts; a
+stop signal (Ctrl-C, SIGTERM) stops the running job as it would stop alone, and no later job starts.
+Exit status: 0 done, or stopped cleanly by SIGTERM/SIGUSR1/SIGINT (the step finishes, a checkpoint is saved;
+before the first step: nothing to save; a second Ctrl-C ends the process at once, without a checkpoint); 2 bad
+config (one line naming the key), a file or value the config names that the run cannot use (data, tokenizer,
+checkpoint: one line naming it and the fix), or the run directory is in use by another run; 3 diverged
+(optim.max_consecutive_bad_steps skipped steps in a row, a run that ended inside a streak of skipped steps, or a
+loss spike with no rollback left: the message names the checkpoint to resume from); 4 the run directory or a
+checkpoint cannot be written (before the first step: the run or checkpoint directory is a file, read-only or
+not permitted; at a save: no space, a file-size limit; earlier checkpoints intact). In a sweep, the first
+failing job's status (128 + N for a job killed by signal N, e.g. 130 after a second Ctrl-C)."""
 
 
 class _StoppedBeforeTraining(BaseException):  # not an Exception: no error handler may take it for one
@@ -177,11 +193,12 @@ def _stop_before_training(signum, _frame):
 
 
 def _train_one(overrides: list[str]) -> int:
-    """One training run in this process. Until the trainer takes the stop signals over, SIGTERM/SIGUSR1 end
-    the launch with a message and status 0 (nothing to save yet)."""
+    """One training run in this process. Until the trainer takes the stop signals over, SIGTERM/SIGUSR1/SIGINT
+    (Ctrl-C) end the launch with a message and status 0 (nothing to save yet)."""
     import signal
 
-    previous = {sig: signal.signal(sig, _stop_before_training) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    previous = {sig: signal.signal(sig, _stop_before_training)
+                for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         return _train_one_run(overrides)
     except _StoppedBeforeTraining as e:
@@ -203,6 +220,13 @@ def _train_one_run(overrides: list[str]) -> int:
         routed.close()
 
 
+def _world_size() -> int:
+    """The processes of this launch: torchrun's WORLD_SIZE, else Slurm's task count, else 1."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+
+
 def _train_routed(overrides: list[str], routed) -> int:
     import os
     from pathlib import Path
@@ -210,19 +234,22 @@ def _train_routed(overrides: list[str], routed) -> int:
     from nvfp4_train.config import compose_config
     from nvfp4_train.config.compose import check_run
 
-    world_size = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
     try:
         cfg = compose_config("train", overrides)
-        check_run(cfg, world_size)  # what would otherwise fail only after the model is built
+        check_run(cfg, _world_size())  # what would otherwise fail only after the model is built
     except _user_errors() as e:  # Hydra / OmegaConf / schema validation: the message names the key or value
         return _error("train.py", e)
-    routed.attach(Path(cfg.experiment.resolved_run_dir()), rank=int(os.environ.get("RANK") or 0))
     from nvfp4_train.checkpoint import CheckpointWriteError
-    from nvfp4_train.trainer import RunDirLocked, TrainingDiverged, train
+    from nvfp4_train.trainer import RunDirLocked, RunSetupError, TrainingDiverged, train
+
+    rank = int(os.environ.get("RANK") or 0)
+
+    def run_dir_ready(run_dir: Path) -> None:  # locked for this run: a refused run writes nothing into it
+        routed.attach(run_dir, rank=rank)
 
     try:
-        train(cfg)
-    except RunDirLocked as e:
+        train(cfg, run_dir_ready=run_dir_ready)
+    except (RunDirLocked, RunSetupError) as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
@@ -234,25 +261,56 @@ def _train_routed(overrides: list[str], routed) -> int:
     return 0
 
 
-def _train_sweep_job(overrides: list[str], n: int) -> list[str]:
-    """A sweep job's overrides with its own run directory (``<run dir>/<n>``) unless the sweep sets one."""
-    if any(o.lstrip("+~").startswith("experiment.run_dir=") for o in overrides):
-        return overrides
-    from nvfp4_train.config import compose_config
+def _sweeps(overrides: Sequence[str], key: str) -> bool:
+    """Whether ``overrides`` give ``key`` more than one value (``key=a,b``, ``key=range(...)``, ...)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    base = compose_config("train", overrides).experiment.resolved_run_dir()
-    return [*overrides, f"experiment.run_dir={base}/{n}"]
+    return any(o.key_or_group == key and o.is_sweep_override()
+               for o in OverridesParser.create().parse_overrides(list(overrides)))
+
+
+def sweep_jobs(overrides: Sequence[str], world_size: int = 1) -> list[list[str]]:
+    """The jobs of a training sweep (:func:`sweep`), each with its own run directory, every job's config
+    composed and checked (``check_run`` on ``world_size`` processes) before any of them runs.
+
+    Job ``n`` runs in ``<run dir>/<n>``, its run directory being the one its config names (``experiment.run_dir``,
+    else ``runs/<experiment.name>``), unless ``experiment.run_dir`` is itself swept: then each job runs in its
+    value, and two jobs given the same directory are an error. A job's bad config is a ValueError naming the
+    job."""
+    from nvfp4_train.config import compose_config
+    from nvfp4_train.config.compose import check_run
+
+    swept_dir = _sweeps(overrides, "experiment.run_dir")
+    jobs, owner = [], {}
+    for n, job in enumerate(sweep(overrides)):
+        try:
+            cfg = compose_config("train", job)
+            check_run(cfg, world_size)
+        except _user_errors() as e:
+            raise ValueError(f"sweep job #{n} ({' '.join(job)}): {_message(e)}") from None
+        run_dir = cfg.experiment.resolved_run_dir()
+        if not swept_dir:
+            run_dir = f"{run_dir}/{n}"
+            job = [o for o in job if o.lstrip("+~").split("=", 1)[0] != "experiment.run_dir"]
+            job.append(f"experiment.run_dir={run_dir}")
+        if run_dir in owner:
+            raise ValueError(f"sweep jobs #{owner[run_dir]} and #{n} would both run in {run_dir}: give each job "
+                             f"its own experiment.run_dir")
+        owner[run_dir] = n
+        jobs.append(job)
+    return jobs
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
     """``nvfp4-train`` / ``python train.py``. A sweep runs each job in its own process (a training run owns
-    its process: process groups, signal handlers, the checkpoint writer); never sweep under torchrun."""
+    its process: process groups, signal handlers, the checkpoint writer), after every job's config is checked
+    (:func:`sweep_jobs`); never sweep under torchrun."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        multirun = parse_args(argv).multirun
+        args = parse_args(argv)
     except ValueError as e:
         return _error("nvfp4-train", e)
-    if not multirun:
+    if not args.multirun or args.help or args.cfg:
         return run_tool(argv, prog="nvfp4-train", doc=TRAIN_DOC, config_name="train", run=_train_one, catch=False)
     import os
 
@@ -260,13 +318,52 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         print("nvfp4-train: -m/--multirun under torchrun would start every job on every rank: launch one "
               "torchrun per job instead", file=sys.stderr)
         return 2
-    counter = iter(range(1 << 30))
+    import warnings
 
-    def one_process(job: list[str]) -> int:
-        job = _train_sweep_job(job, next(counter))
-        return subprocess.call([sys.executable, "-m", "nvfp4_train.cli", "train", *job])
+    try:
+        with warnings.catch_warnings():  # megatron-core's import warnings: each job's own process reports them
+            warnings.simplefilter("ignore")
+            jobs = sweep_jobs(args.overrides, _world_size())
+    except _user_errors() as e:
+        return _error("nvfp4-train", e)
+    return _run_sweep(jobs)
 
-    return run_tool(argv, prog="nvfp4-train", doc=TRAIN_DOC, config_name="train", run=one_process, catch=False)
+
+def _run_sweep(jobs: list[list[str]]) -> int:
+    """Each job in a process of its own, one after the other; the first failing job's status ends the sweep.
+    A stop signal ends it after the running job has stopped as it does alone (the step finishes, a checkpoint,
+    status 0): Ctrl-C reaches that job from the terminal, SIGTERM/SIGUSR1 sent to this process are passed on
+    to it; the jobs after it do not start."""
+    import signal
+
+    stop: list[int] = []
+    child: subprocess.Popen | None = None
+
+    def on_signal(signum, _frame) -> None:
+        stop.append(signum)
+        if child is not None and child.poll() is None and signum != signal.SIGINT:
+            child.send_signal(signum)  # (a second SIGINT would end the job at once, unsaved)
+
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    previous = {sig: signal.signal(sig, on_signal) for sig in stop_signals}
+    try:
+        for n, job in enumerate(jobs):
+            print(f"[nvfp4-train] #{n} {' '.join(job)}", flush=True)
+            child = subprocess.Popen([sys.executable, "-m", "nvfp4_train.cli", "train", *job])
+            status = child.wait()
+            if status:
+                return 128 - status if status < 0 else status  # killed by signal N: 128 + N, as a shell says
+            if stop:
+                if n + 1 < len(jobs):
+                    left = f"job #{n + 1}" if n + 2 == len(jobs) else f"jobs #{n + 1} to #{len(jobs) - 1}"
+                    print(f"nvfp4-train: sweep stopped by signal {signal.Signals(stop[0]).name} after job #{n}: "
+                          f"{left} not started (the same command runs them; finished jobs find their last "
+                          f"checkpoint)", file=sys.stderr)
+                return 0
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def summary_main(argv: Sequence[str] | None = None) -> int:

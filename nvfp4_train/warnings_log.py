@@ -4,8 +4,12 @@ megatron-core, torch and mamba-ssm warn about what a user of this project cannot
 Engine not installed, deprecated torch.distributed names megatron calls, ...). ``ThirdPartyWarnings``, installed
 by ``train.py`` before anything imports them, writes each distinct such warning once to
 ``<run dir>/warnings.log`` (held in memory until the run directory is known) and prints one line on stderr
-pointing there; megatron's own log records at WARNING go the same way. A warning raised in our packages
-(``nvfp4_train`` and the ``kernels/``, ``precision/``, ``models/`` it installs) is shown as always. With
+pointing there; megatron's own log records at WARNING go the same way. Where there is no run directory to log
+to (``export``, ``evaluate``, ``generate``; a run refused its directory, which writes nothing into it), the
+held warnings are only counted, in one line at the end. A warning raised in our packages
+(``nvfp4_train`` and the ``kernels/``, ``precision/``, ``models/`` it installs) is shown on one line (``file:line:
+Category: message``, without Python's second line quoting the source), except a :class:`RunEventWarning`: the
+trainer logs that one as an event of the run and prints it as a note, so it is not shown a second time. With
 ``python -W ...`` or ``PYTHONWARNINGS`` set, nothing is routed: the user's filters decide.
 """
 
@@ -17,7 +21,15 @@ import sys
 import warnings
 from pathlib import Path
 
+__all__ = ["LOG_NAME", "RunEventWarning", "ThirdPartyWarnings"]
+
 LOG_NAME = "warnings.log"
+
+
+class RunEventWarning(UserWarning):
+    """A warning that the trainer also logs as an event of the run (``metrics.jsonl``) and prints as a note
+    (``step N: ...``): a resume that changes the schedule or the precision, a CUDA-graph fallback, a taken-over
+    lock. Raised for the code that uses the trainer as a library; under ``train.py`` the note is its one copy."""
 
 
 def _our_dirs() -> tuple[str, ...]:
@@ -80,6 +92,8 @@ class ThirdPartyWarnings:
             self._pointer(n)
 
     def close(self) -> None:
+        """Stop routing. Warnings still held (never :meth:`attach`-ed: a command without a run directory, such
+        as ``export``, ``evaluate``, ``generate``, or a run refused its directory) are counted in one line."""
         if not self.active:
             return
         warnings.showwarning = self._previous
@@ -89,7 +103,7 @@ class ThirdPartyWarnings:
         if self._file is not None:
             self._file.close()
         elif self._held and self._rank == 0:
-            print(f"({len(self._held)} third-party warning(s) not shown: the run made no run directory; "
+            print(f"({len(self._held)} third-party warning(s) not shown: no run directory to log them to; "
                   f"`python -W default ...` shows them)", file=self._err(), flush=True)
         self.active = False
 
@@ -107,8 +121,10 @@ class ThirdPartyWarnings:
         self._file.write(text if self._rank == 0 else f"[rank {self._rank}] {text}")
 
     def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, RunEventWarning):
+            return  # the trainer prints it as a note of the run
         if str(Path(filename).resolve()).startswith(self._ours):
-            self._previous(message, category, filename, lineno, file, line)
+            self._previous(message, category, filename, lineno, file, "")  # "": no source line
             return
         self._third_party(category.__name__, str(message),
                           warnings.formatwarning(message, category, filename, lineno, line))

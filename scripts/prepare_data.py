@@ -3,6 +3,8 @@
 
     python scripts/prepare_data.py --input data/corpus/text/train.jsonl \
         --valid-input data/corpus/text/validation.jsonl --output-prefix data/tokens/text
+
+The same command as ``nvfp4-prepare-data`` and ``python -m nvfp4_train.data.prepare`` (an installed wheel).
 """
 
 import sys
@@ -10,4 +12,4 @@ import sys
 from nvfp4_train.data.prepare import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="prepare_data.py"))

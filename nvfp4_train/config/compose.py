@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_DIR", "default_config_dir", "register_configs", "compose_config", "check_known_keys",
-           "check_finite", "check_run", "config_groups"]
+__all__ = ["CONFIG_DIR", "default_config_dir", "register_configs", "compose_config", "whole_number_overrides",
+           "default_run_name", "check_known_keys", "check_finite", "check_run", "config_groups"]
 
 
 def default_config_dir() -> Path:
@@ -45,20 +45,101 @@ def compose_config(config_name: str, overrides: Sequence[str] = (), *, as_object
     Returns the typed dataclass tree (``Config``) when ``as_object``, else the ``DictConfig``. Unknown keys
     and wrong types raise (Hydra's ``ConfigCompositionException`` / OmegaConf's errors name the key);
     dataclass validation (``__post_init__``) raises ``ValueError`` when converting to objects.
+
+    An integer field takes a float with an integer value (``schedule.train_tokens=2e9``,
+    :func:`whole_number_overrides`). ``experiment.name`` null becomes :func:`default_run_name` (the model and
+    precision configs chosen: ``tiny_nvfp4``), ``experiment.run_dir`` null ``runs/<experiment.name>``.
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     register_configs()
+    overrides = whole_number_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir or CONFIG_DIR).resolve()), version_base=None):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
+            cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
     except ConfigCompositionException as e:
-        raise ValueError(_explain(e)) from e
+        explained = _explain(e)
+        if explained != str(e):  # it names the key and the fix; Hydra's and OmegaConf's messages add nothing
+            raise ValueError(explained) from None
+        raise ValueError(explained) from e
+    with open_dict(cfg):
+        choices = dict(cfg.pop("hydra").runtime.choices)
+    if cfg.experiment.name is None:
+        cfg.experiment.name = default_run_name(choices, cfg)
+    if cfg.experiment.run_dir is None:
+        cfg.experiment.run_dir = f"runs/{cfg.experiment.name}"
     check_known_keys(cfg)
     check_finite(cfg)
     return OmegaConf.to_object(cfg) if as_object else cfg
+
+
+def default_run_name(choices: dict, cfg) -> str:
+    """``<model>_<precision>``: the options of the ``model`` and ``precision`` config groups that composed
+    ``cfg`` (Hydra's choices: ``precision=nvfp4_no_rht`` gives ``nvfp4_no_rht``, where the recipe is ``nvfp4``),
+    else the model's name and the recipe. Two runs of another model or precision never share a run directory;
+    a changed key inside a group (``model.hidden_size=256``) needs its own ``experiment.name``."""
+    model = choices.get("model") or cfg.model.name
+    precision = choices.get("precision") or cfg.precision.recipe
+    return f"{model}_{precision}".replace("/", "-")
+
+
+def _schema_type(key: str):
+    """The annotated type of the dotted ``key`` in the schema (``schedule.train_tokens`` -> ``int | None``),
+    None for a key the schema does not have."""
+    import dataclasses
+    import typing
+
+    from nvfp4_train.config.schema import Config
+
+    typ = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(typ):
+            return None
+        typ = typing.get_type_hints(typ).get(part)
+        if typ is None:
+            return None
+    return typ
+
+
+def _is_int_type(typ) -> bool:
+    """``int`` or ``int | None`` (not a union that takes floats too)."""
+    import types
+    import typing
+
+    args = typing.get_args(typ) if typing.get_origin(typ) in (typing.Union, types.UnionType) else (typ,)
+    return int in args and float not in args
+
+
+def whole_number_overrides(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with a float given for an integer field written as that integer: Hydra reads
+    ``schedule.train_tokens=2e9`` as the float 2000000000.0, which OmegaConf refuses for an ``int``; it
+    becomes ``schedule.train_tokens=2000000000``. A float that is not a whole number there (``1.5``, ``inf``)
+    is a ValueError naming the key. Sweeps and overrides Hydra cannot parse pass unchanged (composition
+    reports the latter)."""
+    import math
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for text in overrides:
+        try:
+            (o,) = parser.parse_overrides([text])
+        except HydraException:
+            out.append(text)
+            continue
+        value = o.value()
+        if type(value) is not float or not _is_int_type(_schema_type(o.key_or_group)):
+            out.append(text)
+            continue
+        if not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{o.key_or_group}={text.split('=', 1)[1]} is not a whole number: "
+                             f"{o.key_or_group} takes an integer (2000000000 or 2e9)")
+        out.append(f"{o.get_key_element()}={int(value)}")
+    return out
 
 
 def check_finite(cfg) -> None:
@@ -109,8 +190,12 @@ def _explain(e: Exception) -> str:
     the nearest valid key (an unknown one). Anything else: Hydra's message."""
     import dataclasses
 
+    from hydra.errors import MissingConfigException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        return f"{group}={option}: configs/{group}/ has no {option}.yaml (options: {', '.join(e.options)})"
     cause = e.__cause__
     key = getattr(cause, "full_key", None)
     typ = getattr(cause, "object_type", None)

@@ -1,5 +1,9 @@
 """Text -> megatron-core indexed datasets (``<prefix>_train.bin/.idx``, ``<prefix>_validation.bin/.idx``).
 
+    nvfp4-prepare-data --input my_texts/ --output-prefix data/tokens/mine      (an installed wheel)
+    python -m nvfp4_train.data.prepare --input ... --output-prefix ...         (the same; --help: the options)
+    python scripts/prepare_data.py ...                                         (the same, from a checkout)
+
 Inputs (offline, any mix): JSONL files (``.jsonl``/``.json``/``.ndjson``, optionally ``.gz``; one JSON
 object per line, the text in ``text_field``; a ``.json`` holding one JSON array of objects also works),
 Parquet files (column ``text_field``), plain-text files (one document per file; ``.txt``, ``.md``, ``.rst``
@@ -408,14 +412,21 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+PROG = "nvfp4-prepare-data"
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The command line (``nvfp4-prepare-data``, ``python -m nvfp4_train.data.prepare``,
+    ``scripts/prepare_data.py``). Exit status 0 (written, or up to date), 2 a bad input or option (one line)."""
     ap = argparse.ArgumentParser(
-        prog="prepare_data.py",
-        description="Tokenize text into megatron-core indexed datasets (<prefix>_train / <prefix>_validation).",
+        prog=prog,
+        description="Tokenize text into megatron-core indexed datasets (<prefix>_train / <prefix>_validation). "
+                    "The same command: nvfp4-prepare-data, python -m nvfp4_train.data.prepare, "
+                    "python scripts/prepare_data.py (docs/data.md).",
         epilog="Examples:\n"
-               "  prepare_data.py --input data/corpus/text/train.jsonl "
+               f"  {prog} --input data/corpus/text/train.jsonl "
                "--valid-input data/corpus/text/validation.jsonl --output-prefix data/tokens/text\n"
-               "  prepare_data.py --input my_texts/ more.parquet --valid-fraction 0.005 "
+               f"  {prog} --input my_texts/ more.parquet --valid-fraction 0.005 "
                "--output-prefix data/tokens/mine --tokenizer my/tokenizer.json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True,
@@ -439,13 +450,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="encoding threads (default: min(4, cores)); the output does not depend on it")
     ap.add_argument("--force", action="store_true", help="rebuild even if the outputs are up to date")
     args = ap.parse_args(argv)
-    tok = BPETokenizer(args.tokenizer, eod_token=args.eod_token)
     try:
+        tok = BPETokenizer(args.tokenizer, eod_token=args.eod_token)
         prepare(args.input, args.output_prefix, valid_inputs=args.valid_input, valid_fraction=args.valid_fraction,
                 tokenizer=tok, text_field=args.text_field, hf_split=args.hf_split,
                 valid_hf_split=args.valid_hf_split, encoding=args.encoding,
                 workers=args.workers, force=args.force)
     except (FileNotFoundError, ValueError) as e:
-        print(f"prepare_data: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m nvfp4_train.data.prepare"))

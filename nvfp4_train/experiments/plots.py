@@ -3,7 +3,10 @@
     python scripts/plot_runs.py runs/bf16 runs/fp8 runs/nvfp4 --baseline runs/bf16 --out loss.png
     python scripts/plot_runs.py runs/a/metrics.jsonl runs/b --metric val_loss --smooth 1
 
-Each argument is a run directory (its ``metrics.jsonl``) or a JSONL file. The baseline defaults to the first
+Each argument is a run directory (its ``metrics.jsonl``) or a JSONL file. A run is labelled by the
+``config.yaml`` beside its metrics: ``<experiment.name> (<precision.recipe>, seed <experiment.seed>)``, with the
+folder added where two labels would be the same (the jobs of a sweep share a name); without a ``config.yaml``, by
+its folder. A series of one record (one evaluation) is drawn as a marker. The baseline defaults to the first
 run. The relative difference (run - baseline) / baseline is taken at the run's token counts, the baseline
 linearly interpolated there (only where the baseline covers them). ``--smooth N``: a trailing mean over N
 records before comparing (training losses are noisy; evaluation losses need none).
@@ -42,12 +45,44 @@ def _series(path: Path, metric: str, smooth: int):
     return x, y
 
 
-def _label(path: Path) -> str:
-    return path.parent.name if path.name == "metrics.jsonl" else path.name
+def _folder(path: Path) -> Path:
+    return path.parent if path.suffix == ".jsonl" else path
+
+
+def run_label(path: Path) -> str:
+    """``<experiment.name> (<precision.recipe>, seed <experiment.seed>)`` from the run's ``config.yaml``, else the
+    run's folder name."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((_folder(path) / "config.yaml").read_text()) or {}
+        exp, prec = cfg["experiment"], cfg["precision"]
+        return f"{exp['name']} ({prec['recipe']}, seed {exp['seed']})"
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return _folder(path).name
+
+
+def run_labels(paths: list[Path]) -> dict[Path, str]:
+    """:func:`run_label` of each path; where two are the same, each with its folder added."""
+    labels = {p: run_label(p) for p in paths}
+    same = {lab for lab in labels.values() if list(labels.values()).count(lab) > 1}
+    return {p: f"{lab} [{_folder(p)}]" if lab in same else lab for p, lab in labels.items()}
+
+
+def _marker(x) -> str | None:
+    """A marker where a series has one point (one evaluation): a line through one point draws nothing."""
+    return "o" if len(x) == 1 else None
 
 
 def plot_runs(paths: list[Path], out: Path, *, baseline: Path | None = None, metric: str = "loss",
               smooth: int = 1) -> Path:
+    """:func:`runs_figure` saved as ``out`` (its folder made)."""
+    return _save(runs_figure(paths, baseline=baseline, metric=metric, smooth=smooth), out)
+
+
+def runs_figure(paths: list[Path], *, baseline: Path | None = None, metric: str = "loss", smooth: int = 1):
+    """The figure of :func:`plot_runs`: ``metric`` against tokens for each run, and below (two runs or more)
+    each run's relative difference to ``baseline`` (default the first)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,21 +97,22 @@ def plot_runs(paths: list[Path], out: Path, *, baseline: Path | None = None, met
     else:  # one run: nothing to compare
         fig, ax1 = plt.subplots(1, 1, figsize=(9, 5))
         ax2 = None
+    labels = run_labels(list(runs))
     for p, (x, y) in runs.items():
-        (line,) = ax1.plot(x, y, label=_label(p) + (" (baseline)" if p == baseline and len(runs) > 1 else ""), lw=1.2)
+        (line,) = ax1.plot(x, y, label=labels[p] + (" (baseline)" if p == baseline and len(runs) > 1 else ""),
+                           lw=1.2, marker=_marker(x))
         inside = (x >= bx[0]) & (x <= bx[-1])
         if ax2 is not None and p != baseline and inside.any():
             rel = (y[inside] - np.interp(x[inside], bx, by)) / np.interp(x[inside], bx, by)
-            ax2.plot(x[inside], 100.0 * rel, label=_label(p), lw=1.2, color=line.get_color())
+            ax2.plot(x[inside], 100.0 * rel, label=labels[p], lw=1.2, color=line.get_color(),
+                     marker=_marker(x[inside]))
     ax1.set_ylabel(metric + (f" (mean of {smooth})" if smooth > 1 else ""))
-    return _finish(fig, ax1, ax2, f"relative difference to {_label(baseline)} (%)", out)
+    _finish(fig, ax1, ax2, "relative difference to the baseline (%)")
+    return fig
 
 
-def _finish(fig, ax1, ax2, ylabel2: str, out: Path) -> Path:
-    """Grid, legends and the tokens axis; ``ax2`` (None: one panel) gets the zero line and ``ylabel2``; then
-    save ``out`` (its folder made) and close the figure."""
-    import matplotlib.pyplot as plt
-
+def _finish(fig, ax1, ax2, ylabel2: str) -> None:
+    """Grid, legends and the tokens axis; ``ax2`` (None: one panel) gets the zero line and ``ylabel2``."""
     ax1.legend()
     ax1.grid(alpha=0.3)
     if ax2 is None:
@@ -86,8 +122,15 @@ def _finish(fig, ax1, ax2, ylabel2: str, out: Path) -> Path:
         ax2.set_ylabel(ylabel2)
         ax2.set_xlabel("tokens")
         ax2.grid(alpha=0.3)
-        ax2.legend()
+        if ax2.get_legend_handles_labels()[0]:  # no run overlaps the baseline's tokens: nothing to label
+            ax2.legend()
     fig.tight_layout()
+
+
+def _save(fig, out: Path) -> Path:
+    """Save ``fig`` as ``out`` (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -136,16 +179,17 @@ def plot_seeds(seeds_dir: Path, out: Path, *, baseline: str = "bf16", metric: st
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for n in order:
         x, ys = _common(list(series[n].values()))
-        (line,) = ax1.plot(x, np.mean(ys, axis=0), lw=1.2, label=f"{n} (mean of {len(ys)} seeds)")
+        (line,) = ax1.plot(x, np.mean(ys, axis=0), lw=1.2, label=f"{n} (mean of {len(ys)} seeds)", marker=_marker(x))
         pairs = sorted(set(series[n]) & set(series[baseline]))
         if n == baseline or not pairs:
             continue
         x, mean, se = paired_difference([series[n][s] for s in pairs], [series[baseline][s] for s in pairs])
-        ax2.plot(x, mean, lw=1.2, color=line.get_color(), label=f"{n} ({len(pairs)} pairs)")
+        ax2.plot(x, mean, lw=1.2, color=line.get_color(), label=f"{n} ({len(pairs)} pairs)", marker=_marker(x))
         if se is not None:
             ax2.fill_between(x, mean - se, mean + se, color=line.get_color(), alpha=0.2, lw=0)
     ax1.set_ylabel(metric + (f" (mean of {smooth})" if smooth > 1 else "") + ", mean over seeds")
-    return _finish(fig, ax1, ax2, f"vs {baseline}, same seed (%): mean ± s.e.", out)
+    _finish(fig, ax1, ax2, f"vs {baseline}, same seed (%): mean ± s.e.")
+    return _save(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:

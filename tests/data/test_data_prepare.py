@@ -190,3 +190,23 @@ def test_a_datasetdict_given_as_validation_gives_its_validation_split(tmp_path, 
     with pytest.raises(ValueError, match="no split 'dev'.*choose it with --valid-hf-split"):
         prepare([tmp_path / "d"], tmp_path / "p", valid_inputs=[tmp_path / "d"], valid_hf_split="dev", tokenizer=tok,
                 log=quiet)
+
+
+def test_module_entry_prints_usage_and_a_bad_tokenizer_is_one_line(tmp_path):
+    """``python -m nvfp4_train.data.prepare`` is the entry an installed wheel has (the module had no ``__main__``:
+    ``--help`` printed nothing and exited 0); a missing tokenizer file was a traceback."""
+    import subprocess
+    import sys
+
+    run = dict(capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "nvfp4_train.data.prepare", "--help"], **run)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m nvfp4_train.data.prepare") and "--output-prefix" in out.stdout
+    assert out.stderr == ""  # runpy's "found in sys.modules" warning: the package must not import the module
+    (tmp_path / "a.txt").write_text("some text\n")
+    out = subprocess.run([sys.executable, "-m", "nvfp4_train.data.prepare", "--input", "a.txt", "--output-prefix",
+                          "o", "--tokenizer", "missing.json"], **run)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["python -m nvfp4_train.data.prepare: error: tokenizer file missing.json not "
+                                       "found (pass the path of a tokenizer.json)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]

@@ -115,3 +115,43 @@ def test_train_py_reports_a_config_error_found_before_building(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [x for x in r.stderr.splitlines() if x.startswith("train.py:")]
     assert len(lines) == 1 and "pipeline stages of" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_the_default_run_name_is_the_model_and_precision_chosen():
+    """The default name was ``default``: the next command in the same directory with another model crashed on
+    the old checkpoint, with the same model it silently continued the old run. An explicit name still wins."""
+    cfg = compose_config("train", [])
+    assert (cfg.experiment.name, cfg.experiment.run_dir) == ("tiny_nvfp4", "runs/tiny_nvfp4")
+    cfg = compose_config("train", ["model=small", "precision=nvfp4_no_rht"])  # the config's name, not the recipe's
+    assert (cfg.experiment.name, cfg.experiment.resolved_run_dir()) == ("small_nvfp4_no_rht", "runs/small_nvfp4_no_rht")
+    cfg = compose_config("train", ["model=small", "experiment.name=mine"])
+    assert cfg.experiment.resolved_run_dir() == "runs/mine"
+
+
+def test_index_caches_go_to_the_run_directory():
+    """``data.cache_dir`` was ``data/cache/indices``, relative to wherever train.py was started."""
+    assert compose_config("train", []).data.cache_dir == "runs/tiny_nvfp4/index_cache"
+    for data in ("text", "text_cpu"):
+        cfg = compose_config("train", [f"data={data}", "experiment.run_dir=/r/x"])
+        assert cfg.data.cache_dir == "/r/x/index_cache"
+    assert compose_config("train", ["data.cache_dir=null"]).data.cache_dir is None  # megatron-core's <prefix>/cache/
+
+
+@pytest.mark.parametrize("override,value", [("schedule.train_tokens=2e9", 2_000_000_000),
+                                            ("schedule.warmup_tokens=1.5e6", 1_500_000),
+                                            ("++schedule.eval_interval=1e2", 100)])
+def test_an_integer_field_takes_a_float_with_an_integer_value(override, value):
+    """``schedule.train_tokens=2e9`` (docs/training.md) was rejected: Hydra reads 2e9 as a float."""
+    cfg = compose_config("train", ["schedule.train_steps=null", "schedule.warmup_steps=null", override])
+    key = override.split("=")[0].split(".")[-1]
+    assert getattr(cfg.schedule, key) == value and type(getattr(cfg.schedule, key)) is int
+
+
+@pytest.mark.parametrize("override", ["schedule.train_tokens=2.5", "schedule.train_steps=1e-3",
+                                      "schedule.train_tokens=inf"])
+def test_a_float_that_is_no_whole_number_is_an_error_naming_the_key(override):
+    key, raw = override.split("=")
+    with pytest.raises(ValueError) as e:
+        compose_config("train", [override])
+    assert str(e.value) == f"{key}={raw} is not a whole number: {key} takes an integer (2000000000 or 2e9)"
+    assert compose_config("train", ["schedule.lr=2e-3"]).schedule.lr == 2e-3  # a float field: unchanged
