@@ -243,6 +243,14 @@ def _sizes() -> dict[str, ModelConfig]:
             vocab_size=32768, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=4,
             kv_channels=64, mamba_num_heads=16, mamba_head_dim=64, mamba_num_groups=4, mamba_state_dim=128,
         ),
+        # The convergence model of docs/experiments.md: the 12B's pattern shape (one M-M-M-M*- group and the
+        # attention-free tail) at width 128, sized so one run on one H200 reaches >= 20 tokens per
+        # non-embedding parameter (1.91M non-embedding, 8.39M embedding + output layer) in minutes.
+        "10m": ModelConfig(
+            name="10m", pattern="M-M-M-M*-M-M-M-", num_layers=15, hidden_size=128, vocab_size=32768,
+            ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+            mamba_num_heads=8, mamba_head_dim=32, mamba_num_groups=2, mamba_state_dim=64,
+        ),
         # A hybrid at the classic 125M size (one M-M-M-M*- group and the tail), our 32k tokenizer.
         "125m": ModelConfig(
             name="125m", pattern="M-M-M-M*-M-M-M-M-", num_layers=17, hidden_size=768, vocab_size=32768,

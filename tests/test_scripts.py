@@ -86,9 +86,10 @@ def test_convergence_dry_run_lists_every_run():
     p = _run(["scripts/convergence.py", "--dry-run", "--steps", "7", "--", "model=tiny"])
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [line for line in p.stdout.splitlines() if "train.py" in line]
-    assert len(lines) == 8
+    assert len(lines) == 9
     assert all("schedule.train_steps=7" in line and "model=tiny" in line for line in lines)
     assert any("precision=nvfp4_no_rht" in line for line in lines)  # the named precision configs
+    assert any("precision=nvfp4 precision.switch.at_fraction=0.8" in line for line in lines)  # the late switch
 
 
 def test_convergence_seeds_name_runs_and_share_one_data_order():
@@ -142,6 +143,14 @@ def test_convergence_summarize_groups_seeds_and_leaves_out_short_runs(tmp_path):
     assert "| nvfp4_no_sr | 2 | 4.3000 | 0.1414 | +4.88% | +5.00% ± 5.00%, 2 |" in table
     assert "mxfp4_s1 (last evaluation at step 10)" in table and "| mxfp4 |" not in table
     assert summarize(tmp_path / "bf16_s1").startswith("no evaluation records")  # nothing below a run dir
+    from nvfp4_train.experiments.convergence import paired_curves
+
+    curves = paired_curves(tmp_path).splitlines()
+    assert curves[0] == "| run | 10 | 20 |"
+    # step 10: +2% in both seeds (s.e. 0); step 20 as the final table; mxfp4 has one seed and no step 20
+    assert "| nvfp4_no_sr | +2.00 ± 0.00 | +5.00 ± 5.00 |" in curves
+    assert "| mxfp4 | +6.00 | – |" in curves
+    assert paired_curves(tmp_path, every=2).splitlines()[0] == "| run | 20 |"
 
 
 def test_layout_check_parses_layouts():

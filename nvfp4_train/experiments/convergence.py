@@ -10,6 +10,7 @@ Runs (``--runs``; default all; each is the precision config of its name, ``confi
   nvfp4_1d      ... with 1x16 weight blocks (two quantizations of W)
   nvfp4_all_blocks  ... with every block in NVFP4 (no bf16 blocks)
   mxfp4         MXFP4 (32-element blocks, power-of-two scales)
+  nvfp4_to_bf16 the paper's NVFP4 recipe, forward GEMMs in bf16 for the last 20% of steps (App. D)
 
 Each run writes ``<out>/<name>/`` (resolved config, ``metrics.jsonl``, its command line in ``command.txt``),
 then ``scripts/plot_runs.py`` plots loss vs tokens and the relative difference to bf16 (``loss.png``; with several
@@ -54,6 +55,7 @@ RUNS: dict[str, list[str]] = {
     "nvfp4_1d": ["precision=nvfp4_1d"],
     "nvfp4_all_blocks": ["precision=nvfp4_all_blocks"],
     "mxfp4": ["precision=mxfp4"],
+    "nvfp4_to_bf16": ["precision=nvfp4", "precision.switch.at_fraction=0.8"],
 }
 
 
@@ -142,6 +144,46 @@ def summarize(out: Path) -> str:
     return "\n".join(lines)
 
 
+def eval_losses(metrics: Path) -> dict[int, float]:
+    """{step: val_loss} of every evaluation record in a run's ``metrics.jsonl``."""
+    out: dict[int, float] = {}
+    for line in metrics.read_text().splitlines():
+        if '"eval"' in line:
+            r = json.loads(line)
+            if r.get("type") == "eval" and "val_loss" in r:
+                out[int(r["step"])] = float(r["val_loss"])
+    return out
+
+
+def paired_curves(out: Path, every: int = 1) -> str:
+    """A markdown table of each recipe's validation loss relative to bf16's run of the same seed at every
+    ``every``-th evaluation step: ``run / bf16 - 1`` in %, the mean over the seeds that have both, with its
+    standard error (sample sd / sqrt(n)) when there are several (the paper's Fig. 2/4, as numbers)."""
+    groups = group_runs(out)
+    if "bf16" not in groups:
+        return f"no bf16 runs under {out}: the curves are relative to bf16"
+    curves = {name: {seed: eval_losses(d / "metrics.jsonl") for seed, d in runs.items()}
+              for name, runs in groups.items()}
+    base = curves["bf16"]
+    steps = sorted({st for c in base.values() for st in c})[every - 1::every]
+    lines = ["| run | " + " | ".join(str(st) for st in steps) + " |", "|---|" + "---|" * len(steps)]
+    for name in recipe_order(curves):
+        if name == "bf16":
+            continue
+        cells = []
+        for st in steps:
+            d = [100 * (c[st] / base[seed][st] - 1) for seed, c in curves[name].items()
+                 if seed in base and st in c and st in base[seed]]
+            if not d:
+                cells.append("–")
+            elif len(d) == 1:
+                cells.append(f"{d[0]:+.2f}")
+            else:
+                cells.append(f"{statistics.fmean(d):+.2f} ± {statistics.stdev(d) / len(d) ** 0.5:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     argv = sys.argv[1:]
     extra: list[str] = []
@@ -157,6 +199,8 @@ def main() -> int:
     ap.add_argument("--data-seed", type=int, default=1234, help="data.seed of every run (one data order)")
     ap.add_argument("--summarize", type=Path, metavar="DIR",
                     help="print the final-loss table of the runs under DIR and exit (launches nothing)")
+    ap.add_argument("--curves", type=int, default=0, metavar="K",
+                    help="with --summarize: also the loss relative to bf16 (paired by seed) at every K-th evaluation")
     ap.add_argument("--timeout", type=float, default=None, help="seconds; SIGTERM the runs after this")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
@@ -164,6 +208,9 @@ def main() -> int:
         if not a.summarize.is_dir():
             ap.error(f"--summarize: {a.summarize} is not a directory")
         print(summarize(a.summarize))
+        if a.curves > 0:
+            print()
+            print(paired_curves(a.summarize, every=a.curves))
         return 0
     if len(set(a.seeds)) != len(a.seeds):
         ap.error(f"--seeds repeats a seed: {a.seeds}")

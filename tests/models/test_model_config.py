@@ -61,7 +61,7 @@ def test_8b():
     assert count_parameters(cfg) == 8_100_852_736
 
 
-@pytest.mark.parametrize("name, lo, hi", [("tiny", 1e6, 2e7), ("small", 50e6, 100e6), ("125m", 110e6, 140e6), ("1.2b", 1.1e9, 1.35e9)])
+@pytest.mark.parametrize("name, lo, hi", [("tiny", 1e6, 2e7), ("small", 50e6, 100e6), ("10m", 9e6, 12e6), ("125m", 110e6, 140e6), ("1.2b", 1.1e9, 1.35e9)])
 def test_other_sizes(name, lo, hi):
     assert lo <= count_parameters(SIZES[name]) <= hi
 
@@ -116,4 +116,4 @@ def test_yaml_equals_python_size(name):
 
 
 def test_size_names():
-    assert size_names() == ("tiny", "small", "125m", "1.2b", "8b", "12b")
+    assert size_names() == ("tiny", "small", "10m", "125m", "1.2b", "8b", "12b")
