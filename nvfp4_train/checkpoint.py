@@ -579,7 +579,7 @@ def find_resume_checkpoint(resume: str, root: str | os.PathLike, *, checksums: b
     if resume == "none":
         if list_checkpoints(root):
             raise ValueError(f"checkpoint.resume=none but {root} already holds checkpoints "
-                             f"({', '.join(p.name for p in list_checkpoints(root))}): use another experiment.name "
+                             f"({', '.join(p.name for p in list_checkpoints(root))}): use another experiment.run_dir "
                              f"or checkpoint.dir, delete them, or resume (checkpoint.resume=auto)")
         return None
     if resume != "auto":
@@ -894,8 +894,8 @@ def load_checkpoint(path: str | os.PathLike, *, ddp, optimizer, layout: dict, mo
         raise CheckpointMismatch(
             f"checkpoint {path} was written for another model ({meta.get('model', {}).get('name')!r}; this run: "
             f"{model_config.get('name')!r}): " + "; ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
-            + ". Resume with the checkpoint's model config, or start a new run (another experiment.name or "
-              "checkpoint.resume=none with a new checkpoint.dir)")
+            + ". Resume with the checkpoint's model config, or start a new run (another experiment.run_dir, "
+              "or checkpoint.resume=none with a new checkpoint.dir)")
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     saved_layout = meta.get("layout", {})
     same_model_layout = (saved_layout.get("tp"), saved_layout.get("pp")) == (layout["tp"], layout["pp"])

@@ -348,8 +348,17 @@ def _run_sweep(jobs: list[list[str]]) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in stop_signals}
     try:
         for n, job in enumerate(jobs):
+            if stop:  # a signal between two jobs: the next one does not start
+                left = f"job #{n}" if n + 1 == len(jobs) else f"jobs #{n} to #{len(jobs) - 1}"
+                print(f"nvfp4-train: sweep stopped by signal {signal.Signals(stop[0]).name}: {left} not started "
+                      f"(the same command runs them; finished jobs find their last checkpoint)", file=sys.stderr)
+                return 0
             print(f"[nvfp4-train] #{n} {' '.join(job)}", flush=True)
+            seen = len(stop)
             child = subprocess.Popen([sys.executable, "-m", "nvfp4_train.cli", "train", *job])
+            for signum in stop[seen:]:  # arrived while the job was starting: pass it on now
+                if signum != signal.SIGINT:
+                    child.send_signal(signum)
             status = child.wait()
             if status:
                 return 128 - status if status < 0 else status  # killed by signal N: 128 + N, as a shell says

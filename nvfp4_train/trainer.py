@@ -208,8 +208,8 @@ class _SignalFlag:
     """SIGTERM, SIGUSR1 and SIGINT (Ctrl-C) set a flag; the loop acts on it after the current step. A SIGINT
     while a stop is pending (a second Ctrl-C) ends the process at once: killed by SIGINT, as Ctrl-C ends a
     program, without a checkpoint (those already written are intact; a save cut short leaves a ``.tmp_*``
-    the next save removes). Not ``enabled`` (``checkpoint.save_on_signal=false``): they end the process (the
-    default action) until :meth:`restore`."""
+    the next save removes). Not ``enabled`` (``checkpoint.save_on_signal=false``): SIGTERM and SIGUSR1 end the
+    process (their default action) until :meth:`restore`, and SIGINT keeps Python's ``KeyboardInterrupt``."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -217,6 +217,8 @@ class _SignalFlag:
         self.signum = 0
         self._old = {}
         for sig in self.SIGNALS:
+            if not enabled and sig == signal.SIGINT:
+                continue
             try:
                 self._old[sig] = signal.signal(sig, self._handle if enabled else signal.SIG_DFL)
             except ValueError:  # not the main thread
@@ -510,13 +512,13 @@ class Trainer:
                     f"checkpoint {path}: consumed_samples={tstate.get('consumed_samples')} is not step * "
                     f"global_batch_size + skipped_samples = {self.step} * {gbs} + {self.skipped_samples}: the "
                     f"global batch size changed; resume with schedule.global_batch_size={saved_gbs} as saved, or "
-                    f"start a new run (another experiment.name)")
+                    f"start a new run (another experiment.run_dir)")
             if self.step > self.sched.train_steps:
                 raise RunSetupError(
                     f"checkpoint {path} is at step {self.step}, past schedule.train_steps={self.sched.train_steps}: "
                     f"resume with schedule.train_steps >= {self.step} (the run that wrote it had "
                     f"{tstate.get('schedule', {}).get('train_steps', '?')}), or start a new run (another "
-                    f"experiment.name)")
+                    f"experiment.run_dir)")
             self._note_resume_changes(path, tstate)
             self.resumed_from = str(path)
 
@@ -594,6 +596,9 @@ class Trainer:
                 err = ("locked", str(e), "")
             except CheckpointWriteError as e:
                 err = ("write", e.path, e.reason)
+            except OSError as e:  # anything the probe did not name (e.g. a directory where the lock file goes)
+                err = ("write", str(getattr(e, "filename", None) or self.run_dir),
+                       f"{e.strerror or e}: remove it or choose another experiment.run_dir")
         err = self._all_ranks(err)[0]
         if err is not None and err[0] == "locked":
             raise RunDirLocked(err[1])
@@ -805,7 +810,8 @@ class Trainer:
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "time": time.time()}
         t0 = time.time()
         recover = self.recovery.checkpoint  # never pruned: it is what a divergence report names
-        keep = (Path(recover).name,) if recover and Path(recover).parent == self.ckpt_dir else ()
+        keep = ((Path(recover).name,) if recover and Path(recover).resolve().parent == Path(self.ckpt_dir).resolve()
+                else ())
         with self._on_stream():
             path = save_checkpoint(self.ckpt_dir, step=self.step, ddp=self.ddp, optimizer=self.optimizer,
                                    trainer_state=self._trainer_state(), config_yaml=self.config_yaml, meta=meta,
@@ -1029,14 +1035,17 @@ class Trainer:
         if rec.checkpoint is None:
             return (f"No checkpoint is known to have been followed by a loss inside its window"
                     f"{f' ({left})' if left else ''}: the newest one, {newest}, may diverge again; resume from it "
-                    f"with a lower schedule.lr (checkpoint.resume=auto), or start again (another experiment.name)")
+                    f"with a lower schedule.lr (checkpoint.resume=auto), or start again in another "
+                    f"experiment.run_dir")
         if rec.checkpoint == newest:
             return (f"Resume from {newest}, the newest checkpoint (checkpoint.resume=auto picks it), with a lower "
                     f"schedule.lr or another precision (python -m nvfp4_train.table)")
-        return (f"The newest checkpoint, {newest}, holds weights saved after {left}; resume from {rec.checkpoint}, "
-                f"the newest one whose weights were followed by a loss inside the window: rerun with "
-                f"checkpoint.resume={rec.checkpoint} and a lower schedule.lr or another precision "
-                f"(python -m nvfp4_train.table)")
+        fresh = f"{self.run_dir}_from_{Path(rec.checkpoint).name}"
+        return (f"No loss inside the window followed the newest checkpoint, {newest} ({left}); resume from "
+                f"{rec.checkpoint}, the newest one a loss inside the window followed, in a new run directory (so "
+                f"that checkpoint.resume=auto there never returns to the newer ones): rerun with "
+                f"checkpoint.resume={rec.checkpoint} experiment.run_dir={fresh} and a lower schedule.lr or another "
+                f"precision (python -m nvfp4_train.table)")
 
     def _diverged(self, head: str) -> None:
         """Log the ``diverged`` event and raise :class:`TrainingDiverged`: ``head`` (what happened), then which

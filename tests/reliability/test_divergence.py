@@ -45,8 +45,10 @@ def test_a_run_that_ends_inside_a_streak_of_skipped_steps_diverged(tmp_path, one
                                    "gradient (2 skipped in total; last loss nan); no quantized layer saw a non-finite "
                                    "value (the loss, or a module outside them); no final checkpoint was written. ")
     # step_4's weights computed step 5's NaN loss: the report points at step_2 (whose next loss was sound)
-    assert f"The newest checkpoint, {ckpts / 'step_0000004'}, holds weights saved after the loss left its window " \
-           f"at step 5 (loss nan); resume from {ckpts / 'step_0000002'}" in str(e.value)
+    assert f"No loss inside the window followed the newest checkpoint, {ckpts / 'step_0000004'} (the loss left its " \
+           f"window at step 5 (loss nan)); resume from {ckpts / 'step_0000002'}" in str(e.value)
+    # in a new run directory, where resume=auto cannot pick the newer, ruined checkpoints
+    assert f"experiment.run_dir={run_dir}_from_step_0000002" in str(e.value)
     (div,) = events(run_dir, "diverged")
     assert (div["step"], div["newest_checkpoint"], div["recover_from"], div["loss_left_window_at"]) == (
         6, str(ckpts / "step_0000004"), str(ckpts / "step_0000002"), 5)
@@ -66,10 +68,12 @@ def test_the_stop_report_after_a_huge_learning_rate_names_a_checkpoint_that_reco
         with pytest.raises(TrainingDiverged) as e:
             t.run()
     msg = str(e.value)
-    assert f"The newest checkpoint, {ckpts / 'step_0000003'}, holds weights saved after the loss left its window at " \
-           f"step 3 (" in msg
-    assert f"resume from {ckpts / 'step_0000001'}, the newest one whose weights were followed by a loss inside the " \
-           f"window: rerun with checkpoint.resume={ckpts / 'step_0000001'} and a lower schedule.lr" in msg
+    assert f"No loss inside the window followed the newest checkpoint, {ckpts / 'step_0000003'} (the loss left its " \
+           f"window at step 3 (" in msg
+    assert f"resume from {ckpts / 'step_0000001'}, the newest one a loss inside the window followed, in a new run " \
+           f"directory (so that checkpoint.resume=auto there never returns to the newer ones): rerun with " \
+           f"checkpoint.resume={ckpts / 'step_0000001'} experiment.run_dir={run_dir}_from_step_0000001 and a lower " \
+           f"schedule.lr" in msg
     (div,) = events(run_dir, "diverged")
     assert div["recover_from"] == str(ckpts / "step_0000001") and div["loss_left_window_at"] == 3
 
@@ -78,6 +82,9 @@ def test_the_stop_report_after_a_huge_learning_rate_names_a_checkpoint_that_reco
                           f"checkpoint.resume={ckpts / step}")) as r:
             return [r.train_step().loss for _ in range(2)]
 
+    # Two regimes 1e11 apart: from step_0000001 (the initial weights: step 1 ran at lr 0) two steps at the default
+    # lr stay near the initial loss ~ln(32768) = 10.4 (a loss 1% above it would already be a failed recovery);
+    # from step_0000002 (every weight ~5e5) the loss is ~2e12 or not finite. The bounds sit between.
     first = load_metrics(run_dir)[0]["loss"]  # step 1, at lr 0: the initial weights' loss, ~ln(32768)
     recovered = resumed_losses("step_0000001")
     assert all(math.isfinite(x) and x < 1.01 * first for x in recovered), recovered

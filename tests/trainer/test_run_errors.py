@@ -176,3 +176,25 @@ def test_ctrl_c_sets_the_stop_flag_and_a_second_one_ends_the_process_at_once():
             os._exit(5)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT, status
+
+
+def test_a_directory_where_the_lock_file_goes_is_named(tmp_path, one_process_env):
+    """An OSError the writability probe does not name (``.lock`` is a directory) is the same one-line
+    ``CheckpointWriteError`` on every rank, not a traceback on rank 0 alone."""
+    (tmp_path / "run" / ".lock").mkdir(parents=True)
+    with pytest.raises(CheckpointWriteError, match=r"cannot write .*\.lock: Is a directory: remove it or choose "
+                                                   r"another experiment\.run_dir"):
+        Trainer(_cfg(tmp_path / "run"))
+
+
+def test_a_disabled_signal_flag_leaves_ctrl_c_to_python():
+    """``checkpoint.save_on_signal=false``: SIGTERM/SIGUSR1 keep their default action, SIGINT its
+    ``KeyboardInterrupt`` (not a kill without clean-up)."""
+    before = signal.getsignal(signal.SIGINT)
+    flag = _SignalFlag(False)
+    try:
+        assert signal.getsignal(signal.SIGINT) is before
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) is before

@@ -59,8 +59,8 @@ def test_no_checkpoint_is_written_during_a_streak_of_bad_steps(runs):
     # step_2's weights computed step 3's NaN loss: the report points at step_1, the newest one followed by a
     # sound loss (tests/reliability/test_divergence.py)
     assert div["recover_from"] == str(ckpts / "step_0000001") and div["loss_left_window_at"] == 3
-    assert f"The newest checkpoint, {ckpts / 'step_0000002'}, holds weights saved after the loss left its window at " \
-           f"step 3 (loss nan); resume from {ckpts / 'step_0000001'}" in (tmp / "n.log").read_text()
+    assert f"No loss inside the window followed the newest checkpoint, {ckpts / 'step_0000002'} (the loss left its " \
+           f"window at step 3 (loss nan)); resume from {ckpts / 'step_0000001'}" in (tmp / "n.log").read_text()
 
 
 _HOLD = """
