@@ -203,7 +203,9 @@ class HybridModel(MambaModel):
             raise ValueError("forward_cached needs the whole model in one process (TP = PP = 1)")
         b, s = input_ids.shape
         start = state.length
-        if s < 1 or start + s > state.max_length:
+        if s < 1:
+            raise ValueError("forward_cached needs at least one new position (input_ids of shape [batch, >= 1])")
+        if start + s > state.max_length:
             raise ValueError(f"{s} new positions after {start} exceed the decode state's {state.max_length}")
         positions = torch.arange(start, start + s, device=input_ids.device)[None].expand(b, s)
         hidden = self.embedding(input_ids=input_ids, position_ids=positions)  # [s, b, h]

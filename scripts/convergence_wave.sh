@@ -44,15 +44,26 @@ SMI=$!
 HOST=$!
 TO=$(( ${LIMIT:-585} - ($(date +%s) - T0) - ${RESERVE:-20} ))
 echo "convergence_wave: setup $(( $(date +%s) - T0 ))s; the runs get ${TO}s"
-(sleep $(( TO - 12 )); pgrep -f "/train.py" >"$OUT/alive_at_limit.txt" && pkill -ABRT -f "/train.py") &
-WATCH=$!
+if (( TO < 60 )); then
+  echo "convergence_wave: error: ${TO}s left for the runs: raise LIMIT" >&2
+  kill "$SMI" "$HOST" 2>/dev/null
+  exit 1
+fi
 RUN_DIR=$(mktemp -d /tmp/conv.XXXXXX)
+# The runs are children of convergence.py, started in a session of its own: the watcher signals that process
+# group only (pgid = its pid), and its own stdio is detached so an early end does not wait for its sleep.
 # shellcheck disable=SC2086
-python3 scripts/convergence.py --out "$RUN_DIR" --steps 625 --timeout "$TO" \
+setsid python3 scripts/convergence.py --out "$RUN_DIR" --steps 625 --timeout "$TO" \
   --runs ${RUNS:-bf16 fp8 nvfp4 nvfp4_no_rht nvfp4_no_sr nvfp4_1d nvfp4_all_blocks mxfp4 nvfp4_to_bf16} \
   --seeds "$@" --data-seed 1234 -- model=10m data=env_blend schedule=conv_10m logging.wandb=disabled \
   logging.tensorboard=false checkpoint.interval=0 checkpoint.save_at_end=true checkpoint.save_on_signal=false \
-  >"$OUT/convergence.log" 2>&1
+  >"$OUT/convergence.log" 2>&1 &
+CONV=$!
+(sleep $(( TO - 12 )); ps -o pid=,args= -g "$CONV" | grep "/train.py" >"$OUT/alive_at_limit.txt" \
+  && pkill -ABRT -g "$CONV" -f "/train.py") </dev/null >/dev/null 2>&1 &
+WATCH=$!
+wait "$CONV"
+pkill -P "$WATCH" 2>/dev/null
 kill "$SMI" "$HOST" "$WATCH" 2>/dev/null
 mkdir -p "$OUT/runs"
 for d in "$RUN_DIR"/*/; do

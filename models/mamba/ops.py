@@ -493,14 +493,16 @@ def ssd_step(
     :func:`~nvfp4_train.models.mamba.ssd.ssd_step_ref`). On CUDA with mamba-ssm: its ``selective_state_update``
     kernel (fp32 inside, the output rounded to x's dtype; it applies no ``dt_limit`` clamp, so a limit other than
     the default (0, inf), which softplus already meets, runs the PyTorch step)."""
-    if x.is_cuda and tuple(dt_limit) == (0.0, float("inf")) and (D is None or D.dim() == 1):
+    # mamba-ssm 2.3.2's kernel wrapper needs D and dt_bias (it reads their strides): without them, the PyTorch step
+    if x.is_cuda and tuple(dt_limit) == (0.0, float("inf")) and D is not None and D.dim() == 1 \
+            and dt_bias is not None:
         fn, reason = load_selective_state_update()
         if fn is not None:
             h, p, n = x.shape[1], x.shape[2], state.shape[-1]
             # per-head values broadcast over the head's channels (stride 0): the kernel's one-dt-per-head path
             return fn(state, x, dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n), B, C,
-                      D=None if D is None else D[:, None].expand(h, p), z=None,
-                      dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p), dt_softplus=dt_softplus)
+                      D=D[:, None].expand(h, p), z=None, dt_bias=dt_bias[:, None].expand(h, p),
+                      dt_softplus=dt_softplus)
         _warn_fallback("ssd_step", reason)
     return ssd_step_ref(state, x, dt, A, B, C, D, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
 

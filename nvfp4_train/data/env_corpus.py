@@ -11,8 +11,8 @@ headers of ``/usr/include``. :func:`collect` turns them into documents, determin
   ``min_letter_fraction`` of its characters are letters; ``LICENSE``/``COPYING``/``NOTICE`` files are skipped and a
   leading comment block that names a licence or copyright is cut (``strip_license_headers``): the same few
   licence texts would otherwise be thousands of documents;
-- line ends become LF, trailing spaces go; exact duplicates (after that) are dropped, the first path in sorted
-  order kept;
+- line ends become LF, trailing spaces go; exact duplicates (after that) are dropped, the first in walk order
+  kept (the roots in the order given, each in sorted path order);
 - a file goes to validation when a salted SHA-256 of its text falls in the lowest ``val_fraction`` (the split is
   by file: the pieces of one file never straddle it), and files longer than ``MAX_CHUNK_CHARS`` are cut at line
   boundaries into pieces (documents) of at most that many characters;
@@ -140,6 +140,10 @@ def _normalize(text: str) -> str:
 def _examine(args: tuple[str, str, EnvCorpusOptions]) -> tuple[str, _Taken | None]:
     """(reason, taken): reason is ``"taken"`` or why the file is left out."""
     path, root, o = args
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # a file name that is not UTF-8 (undecodable bytes kept as surrogates)
+        return "path_not_utf8", None
     name = os.path.basename(path)
     if not name.lower().endswith(o.suffixes):
         return "suffix", None
@@ -203,7 +207,8 @@ def chunk_lines(text: str, max_chars: int = MAX_CHUNK_CHARS) -> list[str]:
 
 @dataclass
 class Collected:
-    """What :func:`collect` found: the kept files in sorted path order, and counts."""
+    """What :func:`collect` found: the kept files in walk order (roots in the order given, each sorted), and
+    counts."""
 
     options: EnvCorpusOptions
     taken: list[_Taken]

@@ -349,13 +349,16 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 
 # ------------------------------------------------------------------------------------------------ files
 def check_new_folder(out: str | Path) -> Path:
-    """``out`` as a folder the export may write: new, or a folder that holds no model yet (checked before any
-    work, so that nothing already there is overwritten)."""
+    """``out`` as a folder the export may write: new or empty (checked before any work, so that nothing already
+    there is overwritten)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file, not a folder: give a new folder for the export")
     if (out / "config.json").exists() or (out / SAFETENSORS_NAME).exists():
         raise ValueError(f"{out} already holds a model (config.json / {SAFETENSORS_NAME}): give a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty ({', '.join(sorted(p.name for p in out.iterdir())[:3])}, ...): give a "
+                         f"new or empty folder, so that no file there is overwritten")
     return out
 
 

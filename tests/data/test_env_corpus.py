@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,28 @@ def test_script_builds_tokens_and_verify_catches_a_changed_file(tmp_path):
     e = subprocess.run(cmd[:2] + ["--out", str(tmp_path / "none"), "--root", str(tmp_path / "nope")],
                        capture_output=True, text=True, cwd=REPO)
     assert e.returncode == 2 and len(e.stderr.strip().splitlines()) == 1 and "is not a directory" in e.stderr
+
+
+def test_collect_runs_on_a_bare_interpreter(tmp_path):
+    """``--stage collect`` runs before anything is installed: without site-packages (``python -S``: no numpy,
+    no torch) it writes the corpus."""
+    _tree(tmp_path / "r")
+    r = subprocess.run([sys.executable, "-S", str(REPO / "scripts" / "build_env_corpus.py"), "--stage", "collect",
+                        "--root", str(tmp_path / "r"), "--out", str(tmp_path / "c"), "--jobs", "1"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "c" / "MANIFEST.json").is_file() and (tmp_path / "c" / "train.jsonl").is_file()
+
+
+def test_a_file_name_that_is_not_utf8_is_left_out(tmp_path):
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "ok.md").write_text(PROSE)
+    try:
+        with open(os.path.join(os.fsencode(root), b"caf\xe9.md"), "w") as f:
+            f.write(PROSE.replace("fox", "owl"))
+    except OSError:  # a file system that refuses such names has none to leave out
+        pytest.skip("this file system refuses a non-UTF-8 file name")
+    c = collect(EnvCorpusOptions(roots=(str(root),), min_bytes=64))
+    assert [Path(t.path).name for t in c.taken] == ["ok.md"] and c.reasons["path_not_utf8"] == 1
+    write_corpus(c, tmp_path / "out")  # no UnicodeEncodeError

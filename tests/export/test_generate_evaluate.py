@@ -85,8 +85,8 @@ def test_perplexity_and_generation_from_a_checkpoint(trained_tiny, single_rank, 
     assert res["tokens"] == 2 * 2 * 32 and res["perplexity"] == pytest.approx(math.exp(res["loss"]), rel=1e-12)
     # three steps from a uniform start: the loss is near log(vocab) = 10.4
     assert 5 < res["loss"] < 12
-    text = generate_text(str(trained_tiny), "The kernel", max_new_tokens=4)
-    assert text == generate_text(str(trained_tiny), "The kernel", max_new_tokens=4)  # greedy: deterministic
+    text = generate_text(str(trained_tiny), "The kernel", max_new_tokens=4, device="cpu")
+    assert text == generate_text(str(trained_tiny), "The kernel", max_new_tokens=4, device="cpu")  # greedy
     # the run's tokenizer is gone: a clear error
     ckpt = tmp_path / "ckpt"
     shutil.copytree(info.path, ckpt)
@@ -97,7 +97,7 @@ def test_perplexity_and_generation_from_a_checkpoint(trained_tiny, single_rank, 
                                         "sha256": hashlib.sha256(cfg.encode()).hexdigest()}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="tokenizer is missing.*--tokenizer"):
-        generate_text(str(ckpt), "x", max_new_tokens=1)
+        generate_text(str(ckpt), "x", max_new_tokens=1, device="cpu")
 
 
 # ------------------------------------------------------------------------------------------ command lines
@@ -106,8 +106,9 @@ THIRD_PARTY = re.compile(r"\w+Warning: |site-packages")  # a warning as Python p
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=300)
+    e = env()
+    e.pop("PYTHONWARNINGS", None)  # the caller's warning filters switch the routing off on purpose
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
 
 
 def test_every_module_entry_prints_its_help():
@@ -214,7 +215,8 @@ def test_generate_command_streams_the_text_and_reports_tokens_per_second(trained
     done = _python("-m", "nvfp4_train.generate", str(trained_tiny), "--prompt", "The kernel", "--max-new-tokens", "8",
                    "--device", "cpu")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "The kernel" + generate_text(str(trained_tiny), "The kernel", max_new_tokens=8) + "\n"
+    assert done.stdout == "The kernel" + generate_text(str(trained_tiny), "The kernel", max_new_tokens=8,
+                                                              device="cpu") + "\n"
     assert not THIRD_PARTY.search(done.stderr), done.stderr
     assert re.search(r"^[1-8] tokens in [0-9.]+ s: the first after [0-9.]+ s \(prompt of \d+ tokens\)"
                      r"(, then [0-9.]+ tokens/s)? \(cached decoding on cpu\)$", done.stderr, re.M), done.stderr

@@ -316,3 +316,16 @@ def test_import_cli_error_is_one_line(tmp_path):
     assert len(lines) == 1 and "model.embeddings.weight" in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert str(folder / "model.safetensors") in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_folder_must_be_new_or_empty(tmp_path):
+    """No file already in the folder is overwritten (an export writes tokenizer.json, hf_quant_config.json, ...)."""
+    from nvfp4_train.export.hf import check_new_folder
+
+    assert check_new_folder(tmp_path / "new") == tmp_path / "new"
+    (tmp_path / "empty").mkdir()
+    assert check_new_folder(tmp_path / "empty") == tmp_path / "empty"
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"used is not empty \(tokenizer\.json, \.\.\.\): give a new or empty folder"):
+        check_new_folder(tmp_path / "used")

@@ -230,7 +230,6 @@ def test_exported_tensors_are_the_trainings_and_engines_read_them_within_one_ulp
     t = load_file(str(exported / "model.safetensors"))
     modules = _nvfp4_modules(t)
     assert len(modules) == 10  # blocks 1-4: 2 + (q, k, v, o) + 2 + 2
-    differ = three = total = 0.0
     for m in modules:
         block, role = int(m.split(".")[2]), m.split(".")[-1]
         key = {"in_proj": "mixer.in_proj", "out_proj": "mixer.out_proj", "up_proj": "mlp.linear_fc1",
@@ -244,11 +243,7 @@ def test_exported_tensors_are_the_trainings_and_engines_read_them_within_one_ulp
         w, s, s2 = t[f"{m}.weight"], t[f"{m}.weight_scale"], t[f"{m}.weight_scale_2"]
         assert torch.equal(w, codes) and torch.equal(s.view(torch.uint8), scales.view(torch.uint8)), m
         assert s2.view(torch.int32).item() == decode_scale(q.amax).view(torch.int32).item(), m
-        f_differ, f_three, _ = _check_engine_reading(w, s, s2, dequantize_exported(w, s, s2))
-        differ, three, total = differ + f_differ * w.numel() * 2, three + f_three * w.numel() * 2, total + w.numel() * 2
-    print(f"[tiny export: {differ / total:.2%} of the NVFP4 weights' elements 1 ulp apart, codes 1.5/3/6 "
-          f"{three / total:.2%}]")
-    assert differ <= three
+        _check_engine_reading(w, s, s2, dequantize_exported(w, s, s2))
 
 
 def test_modelopt_reads_the_folder(exported):

@@ -33,14 +33,26 @@ def single_rank():
 
 
 def test_conv_step_is_the_convolution_at_each_position(gen):
-    """The same multiply-adds in the same order at each position as the full convolution: bitwise."""
+    """The same multiply-adds in the same order at each position as the full convolution: bitwise before the
+    activation. With SiLU: torch's fp32 SiLU on a [b, d] slice (scalar code) and on the [b, d, l] tensor
+    (vectorised code) may differ by one fp32 ulp, which can move the one rounding to bf16 across a tie: at most
+    one bf16 ulp apart (seen on about 1 in 3,000 random draws)."""
     x = torch.randn(2, 11, 9, generator=gen).bfloat16()
     weight, bias = torch.randn(11, 4, generator=gen).bfloat16(), torch.randn(11, generator=gen).bfloat16()
-    want = causal_conv1d_ref(x, weight, bias, "silu")
-    state = torch.zeros(2, 11, 3, dtype=x.dtype)
-    got = torch.stack([causal_conv1d_update_ref(x[..., t], state, weight, bias, "silu") for t in range(9)], dim=-1)
-    assert torch.equal(got, want)
-    assert torch.equal(state, x[..., -3:])  # the inputs of the last width - 1 positions
+    for activation in (None, "silu"):
+        want = causal_conv1d_ref(x, weight, bias, activation)
+        state = torch.zeros(2, 11, 3, dtype=x.dtype)
+        got = torch.stack([causal_conv1d_update_ref(x[..., t], state, weight, bias, activation) for t in range(9)],
+                          dim=-1)
+        assert torch.equal(state, x[..., -3:])  # the inputs of the last width - 1 positions
+        if activation is None:
+            assert torch.equal(got, want)
+            continue
+        # bf16 bit patterns of same-sign values: adjacent floats differ by 1; a sign flip only around 0, where
+        # SiLU(v) ~ v/2 and a one-ulp fp32 difference cannot reach the other sign
+        g, w = got.view(torch.int16).int(), want.view(torch.int16).int()
+        assert torch.equal(got.signbit(), want.signbit())
+        assert int((g - w).abs().max()) <= 1
 
 
 def test_ssd_step_is_the_sequential_recurrence(gen):
@@ -160,8 +172,11 @@ def _bf16_against_fp64(model, ref, prompt) -> None:
     """bf16 weights (the generation default): both paths round activations to bf16 at the same points, so the
     cached path must be as accurate as the uncached one. Measured against ``ref``, the same weights in float64 on
     the CPU (the exact function up to ~1e-13): E_u = max |l_u - l_ref| over the path; the bound on |l_c - l_ref| is
-    4 E_u plus one bf16 ulp of the largest logit (the logits' own rounding). Then |l_c - l_u| <= bound + E_u, and a
-    margin above twice that fixes the argmax (bf16 logits are exact in fp32)."""
+    4 E_u plus 2^-8 x the largest |logit| (between half and one bf16 ulp of it: the logits' own rounding). The
+    factor 4 is an allowance, not a derivation: the cached path rounds the same quantities at the same points
+    except the prompt's chunked scan against the one-step recurrence; on 10 prompts of both variants E_c / E_u
+    measured 1.000 (2026-12-04). Then |l_c - l_u| <= bound + E_u, and a margin above twice that fixes the argmax
+    (bf16 logits are exact in fp32)."""
     ids, lu, lc = _paths(model, prompt)
     with torch.no_grad():
         full = ref(input_ids=ids.cpu(), position_ids=torch.arange(ids.shape[1])[None], attention_mask=None)
