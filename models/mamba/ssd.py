@@ -190,6 +190,14 @@ def ssd_chunked_scan(
     return out
 
 
+def _recurrence_step(S, dtd, decay, x, Bh, Ch):
+    """One position of the recurrence in the compute dtype: S [b, h, p, n], dtd and decay [b, h], x [b, h, p],
+    Bh and Ch [b, h, n] (B and C per head). Returns (S_t = decay S + dt x B^T, y_t = S_t C_t)."""
+    inp = (dtd[..., None] * x).unsqueeze(-1) * Bh[:, :, None, :]  # dt_t outer(x_t, B_t)
+    S = decay[..., None, None] * S + inp
+    return S, torch.einsum("bhpn,bhn->bhp", S, Ch)
+
+
 def ssd_sequential_ref(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -220,9 +228,8 @@ def ssd_sequential_ref(
     S = x.new_zeros(b, h, p, n, dtype=cdt) if initial_states is None else initial_states.to(cdt)
     ys = []
     for t in range(l):
-        inp = (dtd[:, t, :, None] * xc[:, t]).unsqueeze(-1) * Bh[:, t, :, None, :]  # dt_t outer(x_t, B_t)
-        S = decay[:, t, :, None, None] * S + inp
-        ys.append(torch.einsum("bhpn,bhn->bhp", S, Ch[:, t]))
+        S, y_t = _recurrence_step(S, dtd[:, t], decay[:, t], xc[:, t], Bh[:, t], Ch[:, t])
+        ys.append(y_t)
     y = torch.stack(ys, dim=1) if ys else xc.new_zeros(b, 0, h, p)
     out = _skip_and_gate(y, x, D, z, cdt).to(x.dtype)
     if return_final_states:
@@ -259,7 +266,6 @@ def ssd_step_ref(
     decay = torch.exp(dtd * A.to(cdt))
     Bh = B.to(cdt).repeat_interleave(h // B.shape[1], dim=1)  # [b, h, n]: head i reads group i // (h / g)
     Ch = C.to(cdt).repeat_interleave(h // B.shape[1], dim=1)
-    inp = (dtd[..., None] * x.to(cdt)).unsqueeze(-1) * Bh[:, :, None, :]  # dt_t outer(x_t, B_t)
-    state.copy_(decay[..., None, None] * state + inp)
-    y = torch.einsum("bhpn,bhn->bhp", state, Ch)
+    new, y = _recurrence_step(state, dtd, decay, x.to(cdt), Bh, Ch)
+    state.copy_(new)
     return _skip_and_gate(y[:, None], x[:, None], D, None, cdt)[:, 0].to(x.dtype)

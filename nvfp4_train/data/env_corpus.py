@@ -262,11 +262,8 @@ def collect(options: EnvCorpusOptions, jobs: int = 1) -> Collected:
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_list_sha256(taken: list[_Taken]) -> str:

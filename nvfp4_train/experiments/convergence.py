@@ -64,16 +64,21 @@ def run_name(name: str, seed: int, seeds: list[int]) -> str:
     return name if len(seeds) == 1 else f"{name}_s{seed}"
 
 
+def _eval_records(metrics: Path) -> list[tuple[int, float]]:
+    """(step, val_loss) of every evaluation record in a run's ``metrics.jsonl``, in file order."""
+    out = []
+    for line in metrics.read_text().splitlines():
+        if '"eval"' in line:
+            r = json.loads(line)
+            if r.get("type") == "eval" and "val_loss" in r:
+                out.append((int(r["step"]), float(r["val_loss"])))
+    return out
+
+
 def final_val_loss(metrics: Path) -> tuple[int, float] | None:
     """(step, val_loss) of the last evaluation record in a run's ``metrics.jsonl``; None if it has none."""
-    last = None
-    for line in metrics.read_text().splitlines():
-        if '"eval"' not in line:
-            continue
-        r = json.loads(line)
-        if r.get("type") == "eval" and "val_loss" in r:
-            last = (int(r["step"]), float(r["val_loss"]))
-    return last
+    records = _eval_records(metrics)
+    return records[-1] if records else None
 
 
 _SEEDED = re.compile(r"^(?P<name>.+)_s(?P<seed>-?\d+)$")
@@ -145,14 +150,8 @@ def summarize(out: Path) -> str:
 
 
 def eval_losses(metrics: Path) -> dict[int, float]:
-    """{step: val_loss} of every evaluation record in a run's ``metrics.jsonl``."""
-    out: dict[int, float] = {}
-    for line in metrics.read_text().splitlines():
-        if '"eval"' in line:
-            r = json.loads(line)
-            if r.get("type") == "eval" and "val_loss" in r:
-                out[int(r["step"])] = float(r["val_loss"])
-    return out
+    """{step: val_loss} of every evaluation record in a run's ``metrics.jsonl`` (a step evaluated again: the later)."""
+    return dict(_eval_records(metrics))
 
 
 def paired_curves(out: Path, every: int = 1) -> str:

@@ -6,7 +6,6 @@ newest one with finite weights."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -15,24 +14,15 @@ from nvfp4_train.config import compose_config
 from nvfp4_train.metrics import load_metrics
 from nvfp4_train.trainer import Trainer, TrainingDiverged
 from tests.trainer.runs import TINY, events
-
-
-@pytest.fixture
-def one_process_env():
-    """``setup_parallel`` writes the one-process rendezvous into ``os.environ``; undo it after the test."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
-    yield
-    for k in keys:
-        os.environ.pop(k, None)
-    os.environ.update(saved)
+from tests.trainer.test_trainer_step import one_process_env  # noqa: F401 (a fixture)
 
 
 def _cfg(run_dir: Path, *extra: str):
     return compose_config("train", [*TINY, "data.num_workers=0", f"experiment.run_dir={run_dir}", *extra])
 
 
-def test_a_run_that_ends_inside_a_streak_of_skipped_steps_diverged(tmp_path, one_process_env, monkeypatch):
+def test_a_run_that_ends_inside_a_streak_of_skipped_steps_diverged(tmp_path, one_process_env,  # noqa: F811
+                                                                    monkeypatch):
     """NaN losses in the last two of 6 steps (the limit is 5 in a row): before, the run ended normally (exit
     status 0, an ``end`` event reporting the last good loss, no final checkpoint)."""
     monkeypatch.setenv("STANDIN_NAN", "loss:4,5")  # steps 5 and 6, counted from 1
@@ -56,7 +46,8 @@ def test_a_run_that_ends_inside_a_streak_of_skipped_steps_diverged(tmp_path, one
                                                                                            "step_0000004"]
 
 
-def test_the_stop_report_after_a_huge_learning_rate_names_a_checkpoint_that_recovers(tmp_path, one_process_env):
+def test_the_stop_report_after_a_huge_learning_rate_names_a_checkpoint_that_recovers(
+        tmp_path, one_process_env):  # noqa: F811
     """``schedule.lr=1e6``, a checkpoint every step: step 1 runs at lr 0 (warmup), step 2 at 5e5 and its update
     makes every weight ~5e5; step 3's loss is ~2e12, finite, and later ones NaN. step_0000002 and step_0000003
     are finite (what ``resume=auto`` picks, and what the report used to call the last good checkpoint) but

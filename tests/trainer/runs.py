@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -61,11 +62,27 @@ TINY = [
 ]
 
 
+RENDEZVOUS_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def one_process_environ():
+    """``setup_parallel`` writes the one-process rendezvous into ``os.environ``: undo it when the block ends (the
+    ``one_process_env`` fixtures of the in-process trainer tests)."""
+    saved = {k: os.environ.pop(k) for k in RENDEZVOUS_KEYS if k in os.environ}
+    try:
+        yield
+    finally:
+        for k in RENDEZVOUS_KEYS:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+
+
 def env(**extra) -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for k in RENDEZVOUS_KEYS:
         e.pop(k, None)
     e.update(extra)
     return e

@@ -18,18 +18,14 @@ from nvfp4_train.checkpoint import CheckpointWriteError
 from nvfp4_train.config import compose_config
 from nvfp4_train.mcore_compat.safe_load import UntrustedPickleError
 from nvfp4_train.trainer import RunDirLocked, RunSetupError, Trainer, _RunDirLock, _SignalFlag
-from tests.trainer.runs import TINY, build_test_tokens
+from tests.trainer.runs import TINY, build_test_tokens, one_process_environ
 
 
 @pytest.fixture(scope="module")
 def one_process_env():
     """``setup_parallel`` writes the one-process rendezvous into ``os.environ``; undo it after the tests."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
-    yield
-    for k in keys:
-        os.environ.pop(k, None)
-    os.environ.update(saved)
+    with one_process_environ():
+        yield
 
 
 def _cfg(run_dir: Path, *extra: str):

@@ -12,18 +12,14 @@ import torch
 from nvfp4_train.config import compose_config
 from nvfp4_train.metrics import load_metrics
 from nvfp4_train.trainer import StepOutcome, Trainer
-from tests.trainer.runs import TINY
+from tests.trainer.runs import TINY, one_process_environ
 
 
 @pytest.fixture
 def one_process_env():
     """``setup_parallel`` writes the one-process rendezvous into ``os.environ``; undo it after the test."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
-    yield
-    for k in keys:
-        os.environ.pop(k, None)
-    os.environ.update(saved)
+    with one_process_environ():
+        yield
 
 
 def _cfg(run_dir, *extra):
