@@ -28,12 +28,24 @@ mkdir -p data/tokens "$OUT"
 
 python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" "$TEXT" data/tokens \
   || { echo "convergence_wave: error: cannot extract $TEXT into data/tokens" >&2; exit 1; }
-python3 scripts/build_env_corpus.py --jobs "$(nproc)" --stage collect >"$OUT/env_corpus.log" 2>&1 \
-  || { tail -5 "$OUT/env_corpus.log"; exit 1; }
+# A machine kept from an earlier wave already holds the corpus, and its environment no longer is the bare image
+# (the wheels and the editable install are in it): reuse the corpus, checked against its manifest, never re-collect.
+REUSE=0
+[[ -f data/env_corpus/MANIFEST.json && -f data/tokens/env_train.bin && -f data/tokens/env_validation.bin ]] && REUSE=1
+if (( ! REUSE )); then
+  python3 scripts/build_env_corpus.py --jobs "$(nproc)" --stage collect >"$OUT/env_corpus.log" 2>&1 \
+    || { tail -5 "$OUT/env_corpus.log"; exit 1; }
+fi
 # shellcheck source=scripts/gpu_env.sh
 source scripts/gpu_env.sh "$WHEELS" >"$OUT/gpu_env.log" 2>&1 || { tail -5 "$OUT/gpu_env.log"; exit 1; }
-python3 scripts/build_env_corpus.py --jobs "$(nproc)" --stage tokenize >>"$OUT/env_corpus.log" 2>&1 \
-  || { tail -5 "$OUT/env_corpus.log"; exit 1; }
+if (( REUSE )); then
+  python3 scripts/build_env_corpus.py --verify >"$OUT/env_corpus.log" 2>&1 \
+    || { tail -5 "$OUT/env_corpus.log"; echo "convergence_wave: error: the corpus kept on this machine does not match its manifest: remove data/env_corpus and data/tokens/env_* on a fresh machine" >&2; exit 1; }
+  echo "[env_corpus] reused the corpus already on this machine (verified against its manifest)" >>"$OUT/env_corpus.log"
+else
+  python3 scripts/build_env_corpus.py --jobs "$(nproc)" --stage tokenize >>"$OUT/env_corpus.log" 2>&1 \
+    || { tail -5 "$OUT/env_corpus.log"; exit 1; }
+fi
 cp data/env_corpus/MANIFEST.json "$OUT/env_corpus_MANIFEST.json"
 grep '^\[env_corpus\]' "$OUT/env_corpus.log"
 
