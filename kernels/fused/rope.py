@@ -59,8 +59,8 @@ import triton
 import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import use_triton
-from nvfp4_train.kernels.fp4_triton import cdiv, round_to_bf16, round_to_bf16_x2
-from nvfp4_train.kernels.fused._elements import KIND, load_f32
+from nvfp4_train.kernels.fp4_triton import cdiv
+from nvfp4_train.kernels.fused._elements import KIND, load_f32, round_to_kind, store_rounded
 from nvfp4_train.kernels.fused.rope_reference import (
     apply_rope_ref,
     check_rope_input,
@@ -84,38 +84,6 @@ __all__ = [
 # interpreter pays per operation, not per element, so it takes the whole test tensor in a few programs
 TILE = 2048
 TILE_INTERPRETER = 1 << 15
-
-
-@triton.jit
-def _round(y, KIND: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 ``y`` rounded (nearest-even) to the element type, returned as fp32."""
-    if KIND == 1:
-        if NATIVE:
-            return round_to_bf16_x2(y, True, True)
-        else:
-            return round_to_bf16(y)
-    elif KIND == 2:
-        return y.to(tl.float16).to(tl.float32)
-    else:
-        return y
-
-
-@triton.jit
-def _round_store(ptrs, y, mask, KIND: tl.constexpr, NATIVE: tl.constexpr):
-    """Round fp32 ``y`` (nearest-even) to the element type and store it (bf16 as int16 bits). On the GPU the
-    paired conversion's bf16 result is stored as it is (its bits), with no round trip through fp32."""
-    if KIND == 1:
-        if NATIVE:
-            b = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [y], dtype=tl.bfloat16,
-                                          is_pure=True, pack=2)
-            tl.store(ptrs, b.to(tl.int16, bitcast=True), mask=mask)
-        else:
-            r = round_to_bf16(y)
-            tl.store(ptrs, (r.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-    elif KIND == 2:
-        tl.store(ptrs, y.to(tl.float16), mask=mask)
-    else:
-        tl.store(ptrs, y, mask=mask)
 
 
 @triton.jit
@@ -154,18 +122,18 @@ def _rope_kernel(
     s_hi = load_f32(sin_ptr + tab + HALF, tmask, KIND)[:, None, :]
     # lo, hi: the fp32 sums before their last rounding (done by the store)
     if BACKWARD:
-        lo = _round(a_lo * c_lo, KIND, NATIVE) + _round(a_hi * s_hi, KIND, NATIVE)
-        hi = _round(a_hi * c_hi, KIND, NATIVE) - _round(a_lo * s_lo, KIND, NATIVE)
+        lo = round_to_kind(a_lo * c_lo, KIND, NATIVE) + round_to_kind(a_hi * s_hi, KIND, NATIVE)
+        hi = round_to_kind(a_hi * c_hi, KIND, NATIVE) - round_to_kind(a_lo * s_lo, KIND, NATIVE)
         # Z before the rounding is Z after it: a non-zero sum of two values of the element type is at least its
         # smallest subnormal in magnitude, so it never rounds to zero
         lo = tl.where(lo == 0.0, 0.0, lo)
         hi = tl.where(hi == 0.0, 0.0, hi)
     else:
-        lo = _round(a_lo * c_lo, KIND, NATIVE) - _round(a_hi * s_lo, KIND, NATIVE)
-        hi = _round(a_hi * c_hi, KIND, NATIVE) + _round(a_lo * s_hi, KIND, NATIVE)
+        lo = round_to_kind(a_lo * c_lo, KIND, NATIVE) - round_to_kind(a_hi * s_lo, KIND, NATIVE)
+        hi = round_to_kind(a_hi * c_hi, KIND, NATIVE) + round_to_kind(a_lo * s_hi, KIND, NATIVE)
     out_ptrs = out_ptr + row_out[:, :, None] + k[None, None, :]
-    _round_store(out_ptrs, lo, m, KIND, NATIVE)
-    _round_store(out_ptrs + HALF, hi, m, KIND, NATIVE)
+    store_rounded(out_ptrs, lo, m, KIND, NATIVE)
+    store_rounded(out_ptrs + HALF, hi, m, KIND, NATIVE)
 
     if PASS > 0:
         p = tl.arange(0, BLOCK_P)
