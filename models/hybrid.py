@@ -49,6 +49,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from nvfp4_train.kernels._dispatch import use_triton
 from nvfp4_train.kernels.fused.cross_entropy import vocab_parallel_cross_entropy
 from nvfp4_train.kernels.sr_key import ROLE_SLOTS, block_seed
+from nvfp4_train.mcore_compat.rope import rotary_follows_model
 from nvfp4_train.models.config import ModelConfig
 from nvfp4_train.models.attention import SDPAttention
 from nvfp4_train.models.layers import RMSNorm, linear_spec, residual_add_norm
@@ -227,6 +228,17 @@ class HybridModel(MambaModel):
     """megatron-core's ``MambaModel`` with our stack; adds the hooks the trainer uses."""
 
     model_cfg: ModelConfig
+
+    def _apply(self, fn, *args, **kwargs):
+        """``Module.to``/``cuda``/``cpu``, and the rotary embedding's frequencies follow the parameters
+        (``nvfp4_train.mcore_compat.rope.rotary_follows_model``: a model on the CPU of a machine with a GPU runs
+        there)."""
+        module = super()._apply(fn, *args, **kwargs)
+        rope = getattr(self, "rotary_pos_emb", None)
+        param = next(self.parameters(), None)
+        if rope is not None and param is not None:
+            rotary_follows_model(rope, param.device)
+        return module
 
     def precision_layers(self) -> Iterator[tuple[str, torch.nn.Module]]:
         """``(name, layer)`` of every quantized linear layer (each has ``set_recipe``/``recipe``)."""

@@ -1,5 +1,7 @@
 """megatron-core's ``apply_rope_fusion`` switch, served by our fused rotary embedding instead of Transformer Engine.
 
+And :func:`rotary_follows_model`: the rotary frequencies stay on the device of the model's parameters.
+
 megatron-core 0.16.1 ... 0.19.x: ``megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb`` (what
 ``SelfAttention`` calls for q and for k) calls the module global ``fused_apply_rotary_pos_emb(t, freqs,
 interleaved=config.rotary_interleaved)`` when ``config.apply_rope_fusion`` is set and the sequences are not packed,
@@ -28,7 +30,8 @@ import torch
 
 from nvfp4_train.kernels.fused.rope import apply_rope
 
-__all__ = ["install_fused_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"]
+__all__ = ["install_fused_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
+           "rotary_follows_model"]
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
@@ -61,3 +64,34 @@ def install_fused_rope() -> None:
 
     rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
     rope_utils.fused_apply_rotary_pos_emb_thd = fused_apply_rotary_pos_emb_thd
+
+
+def _get_emb_on_its_device(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+    """megatron-core's ``RotaryEmbedding.get_emb`` (0.16.1 ... 0.19.x, the same code) without its first statement,
+    which moves ``inv_freq`` to ``torch.cuda.current_device()`` whenever it lies on the CPU: the frequencies stay
+    where :func:`rotary_follows_model` put them. Non-interleaved only (our models; megatron's own path otherwise)."""
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def rotary_follows_model(rope: torch.nn.Module, device: torch.device) -> None:
+    """Keep a megatron-core ``RotaryEmbedding``'s frequencies on ``device``, the device of the model's parameters
+    (called by ``HybridModel._apply``, i.e. by every ``.to``/``.cuda``/``.cpu``).
+
+    megatron-core 0.16.1 ... 0.19.x keep ``inv_freq`` as a plain attribute (``Module.to`` does not move it) and
+    move it to the current CUDA device in ``get_emb`` whenever it lies on the CPU: a lazy move for models built
+    on the CPU and trained on a GPU. A model meant to run on the CPU of a machine with a GPU (``generate`` /
+    ``evaluate --device cpu``) then mixes devices. Here the frequencies move with the model, and a model on the
+    CPU computes its embedding there (:func:`_get_emb_on_its_device`); on a GPU megatron's own ``get_emb`` runs.
+    The embeddings ``forward`` cached (an ``lru_cache`` over every instance) are dropped when the device changes."""
+    if not hasattr(rope, "inv_freq") or getattr(rope, "rotary_interleaved", False):
+        return
+    if rope.inv_freq.device != device:
+        rope.inv_freq = rope.inv_freq.to(device)
+        cache_clear = getattr(type(rope).forward, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+    if device.type == "cpu":
+        rope.get_emb = _get_emb_on_its_device.__get__(rope)  # this instance only
+    else:
+        rope.__dict__.pop("get_emb", None)

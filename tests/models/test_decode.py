@@ -170,8 +170,8 @@ def test_cached_decoding_refuses_quantized_layers(single_rank):
 
 def _bf16_against_fp64(model, ref, prompt) -> None:
     """bf16 weights (the generation default): both paths round activations to bf16 at the same points, so the
-    cached path must be as accurate as the uncached one. Measured against ``ref``, the same weights in float64 (on
-    the CPU, or the GPU in the CUDA test: the exact function up to ~1e-13): E_u = max |l_u - l_ref| over the path; the bound on |l_c - l_ref| is
+    cached path must be as accurate as the uncached one. Measured against ``ref``, the same weights in float64 on
+    the CPU (the exact function up to ~1e-13): E_u = max |l_u - l_ref| over the path; the bound on |l_c - l_ref| is
     4 E_u plus 2^-8 x the largest |logit| (between half and one bf16 ulp of it: the logits' own rounding). The
     factor 4 is an allowance, not a derivation: the cached path rounds the same quantities at the same points
     except the prompt's chunked scan against the one-step recurrence; on 10 prompts of both variants E_c / E_u
@@ -209,9 +209,9 @@ def test_cached_greedy_decoding_cuda_kernels(variant):
             pytest.skip(f"the CUDA step kernels are not installed: {reason}")
     with megatron_single_rank("cuda"):
         model = _build(variant, torch.bfloat16, "cuda")
-        # the float64 reference on the GPU too: megatron-core moves a rotary embedding's frequencies to the GPU
-        # at the first forward whenever one exists, so a CPU model with RoPE cannot run on this machine
-        ref = _build(variant, torch.float64, "cuda")
-        ref.load_state_dict(model.state_dict())  # in float64
+        # the float64 reference on the CPU of this GPU machine: also the check that a model with RoPE moved to the
+        # CPU keeps its rotary embedding there (megatron-core would move it to the GPU; mcore_compat.rope)
+        ref = _build(variant, torch.float64)
+        ref.load_state_dict(model.state_dict())  # copied to the CPU, in float64
         prompt = torch.randint(0, model.model_cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
         _bf16_against_fp64(model, ref, prompt.cuda())
