@@ -199,8 +199,12 @@ class HybridStack(MegatronModule):
 
     def _forward_fused_residual(self, hidden_states, attention_mask, rotary_pos_emb) -> torch.Tensor:
         """The blocks on the pair ``(h, delta)`` (module docstring): the final norm adds the last delta; a stage
-        without it returns the materialised ``h + delta`` (what the next pipeline stage receives)."""
+        without it returns the materialised ``h + delta`` (what the next pipeline stage receives). A stage after
+        the first starts with ``delta = -0.0``: adding it is exact for every value (also for both zeros), so its
+        first norm is the fused op's arithmetic, as at that boundary inside one stage (pipeline layouts bitwise)."""
         residual, delta = hidden_states, None
+        if not self.pre_process:
+            delta = torch.full_like(hidden_states, -0.0)
         for layer in self.layers:
             residual, delta = layer(hidden_states=residual, attention_mask=attention_mask,
                                     rotary_pos_emb=rotary_pos_emb, delta=delta, fuse_residual=True)
