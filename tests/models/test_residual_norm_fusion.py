@@ -119,8 +119,10 @@ def test_stage_without_final_norm_returns_the_materialised_stream(single_rank, m
 
 
 def test_fused_model_stays_close_to_the_unfused_model(single_rank):
-    """The real op (its reference on CPU): each norm within one bf16 ulp of the unfused one (the op's bound), which
-    the blocks carry on: the per-token losses within 1e-2 relative and every gradient within 5% of its norm."""
+    """The real op (its reference on CPU): each norm within one bf16 ulp of the unfused one (the op's bound, derived
+    and tested in tests/kernels/test_residual_norm.py), which the blocks carry on. On these fixed inputs the losses
+    within 1e-2 relative and every gradient within 5% of its norm: an allowance that catches a misplaced add or
+    norm (an O(1) change), not a bound derived through the blocks."""
     mc, unfused = _build(False)
     _, fused = _build(True)
     ids, pos = _batch(mc)
