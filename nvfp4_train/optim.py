@@ -5,11 +5,15 @@ AdamW (decoupled weight decay) with betas (0.9, 0.95), weight decay 0.1 on matri
 parameter groups: no decay on biases and on 1-D parameters such as norm weights), gradient clipping by the
 global norm.
 
-Non-finite gradients: the optimizer gets megatron's ``ConstantGradScaler(1.0)`` (``loss_scale=1.0``). For
-bf16 that scaler only turns on megatron's found-inf path: before the update every rank checks its main
-gradients, the flag is all-reduced (MAX), and :func:`optimizer_step` (as megatron's ``step()``) returns
-``(False, None, None)`` without touching the weights. Multiplying by the inverse scale 1.0 is exact, so the
-update is bitwise the one without a scaler. No loss scaling happens (``grad_scale_func`` is not set).
+Non-finite gradients, found by the clipping's global norm rather than a pass of their own: megatron's found-inf
+path (a ``ConstantGradScaler(1.0)``: read and write every main gradient, multiplying it by 1.0) is off (no grad
+scaler, ``loss_scale=None``), and :func:`optimizer_step` computes the global norm on every step (also without
+clipping) and, for the gradients the norm leaves out (tensor-parallel duplicates, shared parameters), their sum of
+squares: both are all-reduced over the gradients' group, and a non-finite one means some main gradient on some rank
+holds a NaN or an Inf (a square is never negative, so nothing cancels; fp32 squares overflow to Inf only past
+~1.8e19, a gradient already diverged). Then, as megatron's ``step()`` on found-inf, it returns ``(False, None,
+None)`` without touching the weights. One host synchronization per step, as megatron's flag. The update of a
+finite step is bitwise the one with the scaler (its multiply by 1.0 was exact).
 
 Gradient clipping without host synchronization: megatron's own ``clip_grad`` is set to 0 in the
 ``OptimizerConfig`` and the optimizer is stepped by :func:`optimizer_step` (megatron's public
@@ -30,9 +34,9 @@ stays, so CPU runs and the tests that pin their numbers keep them; torch's fused
 (within the same bound). ``mcore_compat.optimizer.set_fused_adam`` sets the form on megatron's inner AdamW; a
 checkpoint of either form resumes in the other.
 
-Passes over memory per step and FP32 parameter (``scripts/bench_optimizer.py`` times them): megatron's found-inf
-check (read and write the gradients, 8 bytes), the clipping norm (read, 4) and multiply (read and write, 8, also
-when the coefficient is 1), AdamW (28), megatron's copy of the master weights into the bf16 parameters (read fp32,
+Passes over memory per step and FP32 parameter (``scripts/bench_optimizer.py`` times them): the clipping norm,
+which is also the non-finite check (read, 4; megatron's found-inf check, read and write, 8, is no longer run),
+the clipping multiply (read and write, 8, also when the coefficient is 1), AdamW (28), megatron's copy of the master weights into the bf16 parameters (read fp32,
 write bf16, 6: already one ``copy_`` per tensor, one pass; a ``torch._foreach_copy_`` would save launches, not
 bytes).
 """
@@ -137,7 +141,7 @@ def megatron_optimizer_config(model_chunks: list, cfg: OptimConfig, *, lr: float
         bf16=bf16,
         fp16=fp16,
         params_dtype=tcfg.params_dtype,
-        loss_scale=1.0 if bf16 else None,
+        loss_scale=None,  # no found-inf pass: optimizer_step finds non-finite gradients through the norm
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_param_gather=cfg.overlap_param_gather,
     )
@@ -242,30 +246,55 @@ def clip_grad_norm_sync_free(optimizers: list, max_norm: float, *, shared_group:
     return norm.reshape(())
 
 
+def _nonfinite_outside_norm(optimizers: list):
+    """The sum of squares of the main gradients ``grads_for_grad_norm`` leaves out (tensor-parallel duplicates,
+    shared parameters), all-reduced over each optimizer's gradient group: a 0-d fp32 device tensor, non-finite
+    when one of them holds a NaN or an Inf on some rank. The collective always runs (other ranks may have some)."""
+    import torch
+    import torch.distributed as dist
+
+    total = None
+    for o in optimizers:
+        if getattr(o, "is_stub_optimizer", False) or not o.get_parameters():
+            continue
+        counted = {(g.data_ptr(), g.numel()) for g in grads_for_grad_norm(o)}
+        rest = [g for g in _grads_to_clip(o) if (g.data_ptr(), g.numel()) not in counted]
+        sq = (torch.stack(torch._foreach_norm(rest)).float().square().sum().reshape(1) if rest
+              else torch.zeros(1, dtype=torch.float32, device=_stats_device()))
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=o.get_grad_stats_parallel_group())
+        total = sq if total is None else total + sq
+    return total
+
+
 def optimizer_step(optimizer, clip_grad: float):
     """One optimizer step, ``optimizer.step()``'s, with :func:`clip_grad_norm_sync_free` instead of
     megatron's clipping (built by :func:`build_optimizer`, megatron's ``clip_grad`` is 0). Returns
     ``(success, grad_norm, num_zeros)`` as megatron's ``step()`` would with ``clip_grad``: ``(False, None,
-    None)`` when ``prepare_grads()`` finds a non-finite gradient; ``grad_norm`` a 0-d device tensor (a
+    None)`` when a main gradient on some rank is non-finite (the global norm's check, module docstring), before
+    the weights are touched; ``grad_norm`` a 0-d device tensor (a
     ``ChainedOptimizer`` always computes it; a single mixed-precision optimizer returns 0.0 and the FP32
     one None when ``clip_grad`` is 0); ``num_zeros`` counted when ``log_num_zeros_in_grad`` is set."""
     import torch
     from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
 
     with torch.no_grad():
-        if optimizer.prepare_grads():
+        if optimizer.prepare_grads():  # a grad scaler's found-inf (fp16's dynamic scaler; none for bf16/fp32)
             return False, None, None
         count = getattr(getattr(optimizer, "config", None), "log_num_zeros_in_grad", False)
-        if isinstance(optimizer, ChainedOptimizer):
-            opts = optimizer.chained_optimizers
-            shared = len(opts) <= 1 or optimizer.grads_states_parallel_group_is_shared()
-            grad_norm = clip_grad_norm_sync_free(opts, clip_grad, shared_group=shared)
+        chained = isinstance(optimizer, ChainedOptimizer)
+        opts = optimizer.chained_optimizers if chained else [optimizer]
+        shared = not chained or len(opts) <= 1 or optimizer.grads_states_parallel_group_is_shared()
+        # the norm is also the non-finite check: computed on every step (clip_grad 0: the norm only)
+        norm = clip_grad_norm_sync_free(opts, clip_grad, shared_group=shared)
+        rest = _nonfinite_outside_norm(opts)
+        finite = torch.isfinite(norm) if rest is None else torch.isfinite(norm) & torch.isfinite(rest.reshape(()))
+        if not bool(finite):  # the step's one host synchronization, as megatron's found-inf flag
+            return False, None, None
+        if chained:
+            grad_norm = norm
             num_zeros = optimizer.count_zeros() if count else None
         else:
-            if clip_grad > 0.0:
-                grad_norm = clip_grad_norm_sync_free([optimizer], clip_grad)
-            else:
-                grad_norm = 0.0 if isinstance(optimizer, MixedPrecisionOptimizer) else None
+            grad_norm = norm if clip_grad > 0.0 else (0.0 if isinstance(optimizer, MixedPrecisionOptimizer) else None)
             num_zeros = optimizer.count_zeros() if count else (0 if isinstance(optimizer, MixedPrecisionOptimizer)
                                                                else None)
         success = optimizer.step_with_ready_grads()

@@ -1,8 +1,9 @@
 """The optimizer step's passes over memory on FP32 shards of a model's parameter shapes: AdamW in torch's foreach
 form (megatron-core's inner AdamW without Apex or Transformer Engine, as the ``1.2b`` profile measured it: 35 ms of
 a step) against the fused form the optimizer runs on CUDA (``nvfp4_train.optim``), and the step's other passes:
-megatron's found-inf check, the sync-free clipping (``clip_grad_norm_sync_free``) and the copy of the master
-weights into the bf16 parameters, per tensor (megatron's) and as one ``torch._foreach_copy_``.
+megatron's found-inf check (which ``optimizer_step`` no longer runs: its global norm is the non-finite check), the
+sync-free clipping (``clip_grad_norm_sync_free``) and the copy of the master weights into the bf16 parameters, per
+tensor (megatron's) and as one ``torch._foreach_copy_``.
 
 Bytes each part must move per FP32 parameter (read + written; the step counts and norms are noise):
 
@@ -12,15 +13,16 @@ Bytes each part must move per FP32 parameter (read + written; the step counts an
     AdamW            28   param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written (the foreach
                           form makes ~8 passes and moves ~84; the table counts what the step must move)
     copy-back         6   fp32 master read, bf16 parameter written
-    step             54   found-inf + clip norm + mul + AdamW + copy-back
+    step             46   clip norm (the non-finite check) + mul + AdamW + copy-back (54 with megatron's found-inf)
 
 Prediction, ``1.2b`` (1,291,929,600 parameters) at the H200's 4.3 TB/s copy rate: AdamW 36.2 GB, 8.4 ms (the
 fused form at >= 70% of that rate: <= 12.0 ms; the foreach form's ~108 GB: ~25 ms); found-inf 2.4 ms; clip
-3.6 ms; copy-back 1.8 ms; the step 69.8 GB, 16.2 ms (against ~35 ms measured with the foreach form).
+3.6 ms; copy-back 1.8 ms; the step 59.4 GB, 13.8 ms (69.8 GB, 16.2 ms with megatron's found-inf; ~35 ms
+measured with the foreach form and the found-inf pass).
 
 ``--megatron`` also times ``nvfp4_train.optim.optimizer_step`` on megatron's distributed optimizer over the model
 itself (built as ``train.py`` builds it, bf16, random gradients), in both forms: the step as the trainer runs it,
-host syncs included (megatron's found-inf check reads its flag on the host).
+host syncs included (the non-finite decision on the norm is read on the host).
 
 The shards take ~34 bytes per parameter on the device (parameter, gradient, both forms' moments, the bf16
 copy): up to ~3.5e9 parameters on one H200 (the 12b's shapes do not fit; ``--params`` gives a count).

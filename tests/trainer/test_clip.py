@@ -364,6 +364,28 @@ def test_found_inf_skips_as_megatron():
 CASES = ["dp2", "tp2"]
 
 
+def _check_nonfinite_outside_the_norm(rank: int) -> None:
+    """TP=2: a NaN in a gradient the global norm leaves out (a tensor-parallel duplicate, here rank 1's copy of a
+    norm weight) and on that rank only still skips the step on both ranks, the weights untouched: the non-finite
+    check covers every main gradient, as megatron's found-inf pass did."""
+    from nvfp4_train.mcore_compat.optimizer import grads_for_grad_norm
+
+    _model_, ddp, opt = _setup(1.0, megatron_clip=False, tp=2)
+    _fb(ddp, opt, 0, 0)
+    assert optimizer_step(opt, 1.0)[0]  # a finite step goes through
+    _fb(ddp, opt, 1, 0)
+    opt.prepare_grads()
+    counted = {(g.data_ptr(), g.numel()) for o in opt.chained_optimizers for g in grads_for_grad_norm(o)}
+    left_out = [g for o in opt.chained_optimizers for p in o.get_parameters() if (g := p.grad) is not None
+                and (g.data_ptr(), g.numel()) not in counted]
+    assert (rank == 1) == bool(left_out)  # rank 0 counts every gradient; rank 1 leaves its duplicates out
+    if rank == 1:
+        left_out[0].view(-1)[0] = float("nan")
+    before = [p.detach().clone() for p in ddp.module.parameters()]
+    assert optimizer_step(opt, 1.0) == (False, None, None)
+    _bitwise([p.detach() for p in ddp.module.parameters()], before, "skipped step")
+
+
 def run_two_rank_cases(rank: int, out_dir: str) -> None:
     """Both cases on this rank of the shared gloo group (``tests/two_rank_cases.py``), each recorded in
     ``out_dir`` as ``clip-<case>``."""
@@ -384,6 +406,16 @@ def run_two_rank_cases(rank: int, out_dir: str) -> None:
         record_outcome(out_dir, f"clip-{case}", rank, lambda: check(2 if case == "tp2" else 1))
         dist.barrier()
 
+    def nonfinite() -> None:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        try:
+            _check_nonfinite_outside_the_norm(rank)
+        finally:
+            parallel_state.destroy_model_parallel()
+
+    record_outcome(out_dir, "clip-tp2-nonfinite", rank, nonfinite)
+    dist.barrier()
+
 
 @pytest.fixture(scope="module")
 def dist_outcomes(tmp_path_factory):
@@ -396,3 +428,8 @@ def dist_outcomes(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_clipping_as_megatron(dist_outcomes, case):
     assert_ranks_ok(dist_outcomes, f"clip-{case}")
+
+
+@pytest.mark.dist
+def test_two_ranks_nonfinite_gradient_outside_the_norm_skips_the_step(dist_outcomes):
+    assert_ranks_ok(dist_outcomes, "clip-tp2-nonfinite")
