@@ -15,15 +15,16 @@ holds a NaN or an Inf (a square is never negative, so nothing cancels; fp32 squa
 None)`` without touching the weights. One host synchronization per step, as megatron's flag. The update of a
 finite step is bitwise the one with the scaler (its multiply by 1.0 was exact).
 
-Gradient clipping without host synchronization: megatron's own ``clip_grad`` is set to 0 in the
+Gradient clipping with one host synchronization: megatron's own ``clip_grad`` is set to 0 in the
 ``OptimizerConfig`` and the optimizer is stepped by :func:`optimizer_step` (megatron's public
-``prepare_grads()`` and ``step_with_ready_grads()`` around :func:`clip_grad_norm_sync_free`). Without Apex or
+``prepare_grads()`` and ``step_with_ready_grads()`` around the norm and the clipping). Without Apex or
 Transformer Engine megatron's clipping runs its PyTorch fallbacks: one ``torch.norm`` and one host sync per
 gradient tensor, a host-side decision ``clip_coeff < 1.0``, one multiply and copy per tensor. Here the norm
-is one ``torch._foreach_norm``, the coefficient stays on the device (``min(1, max_norm / (norm + 1e-6))``)
-and every gradient is multiplied by it in one ``torch._foreach_mul_``: a step that does not clip multiplies
-by exactly 1.0, so its update is bitwise megatron's. The grad norm comes back as a 0-d device tensor; the
-trainer reads it on the host only when it logs.
+is one ``torch._foreach_norm``, and one host read per step takes both decisions, non-finite (above) and
+``clip_coeff < 1.0``; a step that clips multiplies every gradient by the coefficient in one
+``torch._foreach_mul_``, a step that does not multiplies nothing: either way bitwise megatron's update.
+(:func:`clip_grad_norm_sync_free`, without the host read, multiplies by ``min(1, coefficient)`` always.) The grad
+norm comes back as a 0-d device tensor; the trainer reads it on the host only when it logs.
 
 The AdamW kernel, one form per device: on CUDA torch's fused multi-tensor AdamW (``torch._fused_adamw_``:
 parameter, gradient and both moments read once and parameter and moments written once, 28 bytes per FP32
@@ -36,7 +37,7 @@ checkpoint of either form resumes in the other.
 
 Passes over memory per step and FP32 parameter (``scripts/bench_optimizer.py`` times them): the clipping norm,
 which is also the non-finite check (read, 4; megatron's found-inf check, read and write, 8, is no longer run),
-the clipping multiply (read and write, 8, also when the coefficient is 1), AdamW (28), megatron's copy of the master weights into the bf16 parameters (read fp32,
+the clipping multiply (read and write, 8, only on a step that clips), AdamW (28), megatron's copy of the master weights into the bf16 parameters (read fp32,
 write bf16, 6: already one ``copy_`` per tensor, one pass; a ``torch._foreach_copy_`` would save launches, not
 bytes).
 """
@@ -236,14 +237,28 @@ def clip_grad_norm_sync_free(optimizers: list, max_norm: float, *, shared_group:
             total = torch.zeros(1, dtype=torch.float32, device=_stats_device())
     norm = total.double().sqrt()
     if max_norm > 0.0:
-        grads = [g for o in opts if not getattr(o, "is_stub_optimizer", False) and o.get_parameters()
-                 for g in _grads_to_clip(o)]
-        if grads:
-            coeff = torch.full_like(norm, max_norm).div_(norm + 1.0e-6)  # a true division (max_norm / tensor
-            # would be max_norm * reciprocal: two roundings); a fill, not a host-to-device copy
-            coeff = torch.where(coeff < 1.0, coeff, 1.0).float()
-            torch._foreach_mul_(grads, coeff.to(grads[0].device).reshape(()))
+        coeff = _clip_coefficient(norm, max_norm)
+        _scale_grads(opts, torch.where(coeff < 1.0, coeff, 1.0).float())
     return norm.reshape(())
+
+
+def _clip_coefficient(norm, max_norm: float):
+    """Megatron's ``max_norm / (norm + 1e-6)`` in float64 on the device: a true division (``max_norm / tensor``
+    would be ``max_norm * reciprocal``: two roundings); a fill, not a host-to-device copy."""
+    import torch
+
+    return torch.full_like(norm, max_norm).div_(norm + 1.0e-6)
+
+
+def _scale_grads(opts: list, coeff) -> None:
+    """Every gradient megatron's clipping scales (``_grads_to_clip``) multiplied by the fp32 ``coeff`` in one
+    ``torch._foreach_mul_``; stub optimizers and those without parameters are left alone."""
+    grads = [g for o in opts if not getattr(o, "is_stub_optimizer", False) and o.get_parameters()
+             for g in _grads_to_clip(o)]
+    if grads:
+        import torch
+
+        torch._foreach_mul_(grads, coeff.to(grads[0].device).reshape(()))
 
 
 def _nonfinite_outside_norm(optimizers: list):
@@ -284,12 +299,20 @@ def optimizer_step(optimizer, clip_grad: float):
         chained = isinstance(optimizer, ChainedOptimizer)
         opts = optimizer.chained_optimizers if chained else [optimizer]
         shared = not chained or len(opts) <= 1 or optimizer.grads_states_parallel_group_is_shared()
-        # the norm is also the non-finite check: computed on every step (clip_grad 0: the norm only)
-        norm = clip_grad_norm_sync_free(opts, clip_grad, shared_group=shared)
+        # the norm is also the non-finite check: computed on every step
+        norm = clip_grad_norm_sync_free(opts, 0.0, shared_group=shared)
         rest = _nonfinite_outside_norm(opts)
         finite = torch.isfinite(norm) if rest is None else torch.isfinite(norm) & torch.isfinite(rest.reshape(()))
-        if not bool(finite):  # the step's one host synchronization, as megatron's found-inf flag
+        coeff = _clip_coefficient(norm, clip_grad) if clip_grad > 0.0 else None
+        clips = coeff < 1.0 if coeff is not None else torch.zeros_like(finite)
+        # the step's one host synchronization (megatron's found-inf flag had one too): whether every gradient is
+        # finite, and whether the step clips; a step that does not clip multiplies nothing, as megatron's own
+        # clipping (``clip_coeff < 1.0`` decided on the host)
+        finite, clips = torch.stack([finite, clips]).tolist()
+        if not finite:
             return False, None, None
+        if clips:
+            _scale_grads(opts, coeff.float())
         if chained:
             grad_norm = norm
             num_zeros = optimizer.count_zeros() if count else None

@@ -13,7 +13,8 @@ Bytes each part must move per FP32 parameter (read + written; the step counts an
     AdamW            28   param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written (the foreach
                           form makes ~8 passes and moves ~84; the table counts what the step must move)
     copy-back         6   fp32 master read, bf16 parameter written
-    step             46   clip norm (the non-finite check) + mul + AdamW + copy-back (54 with megatron's found-inf)
+    step             46   clip norm (the non-finite check) + mul + AdamW + copy-back; 38 on a step that does not
+                          clip (``optimizer_step`` multiplies only when it clips); 54 with megatron's found-inf
 
 Prediction, ``1.2b`` (1,291,929,600 parameters) at the H200's 4.3 TB/s copy rate: AdamW 36.2 GB, 8.4 ms (the
 fused form at >= 70% of that rate: <= 12.0 ms; the foreach form's ~108 GB: ~25 ms); found-inf 2.4 ms; clip
