@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
         leaves = [t.clone().requires_grad_(True) for t in (res, delta, w)]
 
-        def fused_fwd():
-            return residual_norm(res, delta, w, eps)
+        def unfused(r, d, ww, e):
+            x = r + d
+            return x, torch.nn.functional.rms_norm(x, (n,), ww, e)
 
-        def unfused_fwd():
-            x = res + delta
-            return x, torch.nn.functional.rms_norm(x, (n,), w, eps)
+        def run_fwd(fn):
+            return lambda: fn(res, delta, w, eps)
 
         def run_bwd(fn):
             def f():
@@ -67,10 +67,6 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = fn(r, d, ww, eps)
                 return torch.autograd.grad((x, y), (r, d, ww), (g_skip, g_normed))
             return f
-
-        def unfused(r, d, ww, e):
-            x = r + d
-            return x, torch.nn.functional.rms_norm(x, (n,), ww, e)
 
         # the kernels against the reference, bit for bit, on this device
         got = run_bwd(residual_norm)(), residual_norm(res, delta, w, eps)
@@ -84,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         t_copy = triton.testing.do_bench(lambda: copy_dst.copy_(res), return_mode="median")  # ms, 2 tensors
         per_tensor = t_copy / 2
         t = {
-            "fwd_unfused": triton.testing.do_bench(unfused_fwd, return_mode="median"),
-            "fwd_fused": triton.testing.do_bench(fused_fwd, return_mode="median"),
+            "fwd_unfused": triton.testing.do_bench(run_fwd(unfused), return_mode="median"),
+            "fwd_fused": triton.testing.do_bench(run_fwd(residual_norm), return_mode="median"),
             "fb_unfused": triton.testing.do_bench(run_bwd(unfused), return_mode="median"),
             "fb_fused": triton.testing.do_bench(run_bwd(residual_norm), return_mode="median"),
         }

@@ -56,9 +56,11 @@ from nvfp4_train.kernels.fp4_triton import cdiv
 from nvfp4_train.kernels.fused._elements import KIND, load_f32, round_to_kind, store_rounded
 from nvfp4_train.kernels.fused.residual_norm_reference import (
     WGRAD_ROWS,
+    next_pow2,
     check_residual_norm_input,
     residual_norm_backward_ref,
     residual_norm_forward_ref,
+    residual_norm_function,
     residual_norm_ref,
 )
 
@@ -141,10 +143,6 @@ def _bwd_kernel(
     tl.store(part_ptr + pid.to(tl.int64) * N + cols[None, :], acc, mask=cmask[None, :])
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """bf16 tensors reach the kernels as their int16 bits (``_elements.py``)."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -154,7 +152,7 @@ def _row_block(n: int) -> tuple[int, int]:
     if n > MAX_HIDDEN:
         raise ValueError(f"the fused residual add + RMSNorm keeps a row in registers: hidden size {n} > "
                          f"{MAX_HIDDEN}; set fusion.residual_norm=false")
-    block_n = max(16, _pow2(n))
+    block_n = max(16, next_pow2(n))
     return block_n, block_n.bit_length() - 1
 
 
@@ -171,7 +169,7 @@ def residual_norm_forward_triton(residual: torch.Tensor, delta: torch.Tensor, we
     if rows == 0:
         return x, normed, rstd
     tile = TILE if residual.is_cuda else TILE_INTERPRETER
-    block_m = max(1, min(_pow2(rows), tile // block_n))
+    block_m = max(1, min(next_pow2(rows), tile // block_n))
     num_warps = max(1, min(8, block_m * block_n // 512))
     _fwd_kernel[(cdiv(rows, block_m),)](
         _bits(residual), _bits(delta), _bits(weight), _bits(x), _bits(normed), rstd, rows, float(eps),
@@ -207,23 +205,8 @@ def residual_norm_backward_triton(g_normed: torch.Tensor, g_skip: torch.Tensor |
     return dsum, partials.sum(0).to(weight.dtype)
 
 
-class _ResidualNorm(torch.autograd.Function):
-    """One launch each way; saves x, the weight and the fp32 rstd per row."""
-
-    @staticmethod
-    def forward(ctx, residual, delta, weight, eps):
-        x, normed, rstd = residual_norm_forward_triton(residual, delta, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.set_materialize_grads(False)
-        return x, normed
-
-    @staticmethod
-    def backward(ctx, g_skip, g_normed):
-        x, weight, rstd = ctx.saved_tensors
-        if g_normed is None:
-            g_normed = torch.zeros_like(x)
-        dsum, dw = residual_norm_backward_triton(g_normed, g_skip, x, weight, rstd)
-        return dsum, dsum, dw, None
+# one launch each way; saves x, the weight and the fp32 rstd per row
+_ResidualNorm = residual_norm_function(residual_norm_forward_triton, residual_norm_backward_triton)
 
 
 def residual_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

@@ -45,9 +45,9 @@ the composite, op for op,
 reduction of Liger-Kernel/Apex: program p owns the ``WGRAD_ROWS`` consecutive rows from ``p * WGRAD_ROWS`` (the
 last one fewer) and accumulates their fp32 terms in row order, starting from +0; the ``ceil(rows / WGRAD_ROWS)``
 partials [programs, N] are summed by ``torch.sum(dim=0)`` on their device and rounded to the weight's dtype
-(Rw).
-The partition depends on the row count only, not on the device, so the kernel and this reference sum in one order. Against the composite: the orders of ``s`` and of the
-weight-gradient sum differ; everything else is the same sequence of roundings.
+(Rw). The partition depends on the row count only, not on the device, so the kernel and this reference sum in one
+order. Against the composite: the orders of ``s`` and of the weight-gradient sum differ; everything else is the
+same sequence of roundings.
 
 Non-finite values follow IEEE arithmetic (NaN in, NaN out; a NaN's sign and payload are not specified).
 """
@@ -64,6 +64,7 @@ __all__ = [
     "residual_norm_forward_ref",
     "residual_norm_backward_ref",
     "residual_norm_ref",
+    "residual_norm_function",
 ]
 
 RESIDUAL_NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -90,7 +91,7 @@ def check_residual_norm_input(residual: torch.Tensor, delta: torch.Tensor, weigh
                          f"move them to one device")
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
 
@@ -98,7 +99,7 @@ def _pow2(n: int) -> int:
 def tree_row_sum(v: torch.Tensor) -> torch.Tensor:
     """The sum over the last dim of fp32 ``v`` [rows, N] in the kernels' order: zero-padded to a power of two,
     then ``v[:, :W/2] + v[:, W/2:]`` until one column is left; [rows, 1]."""
-    w = _pow2(v.shape[-1])
+    w = next_pow2(v.shape[-1])
     if w != v.shape[-1]:
         v = torch.nn.functional.pad(v, (0, w - v.shape[-1]))
     while v.shape[-1] > 1:
@@ -171,28 +172,36 @@ def residual_norm_backward_ref(g_normed: torch.Tensor, g_skip: torch.Tensor | No
     return dsum.contiguous(), dw
 
 
-class _ResidualNormRef(torch.autograd.Function):
-    """The reference as an autograd op: saves x, the weight and rstd."""
+def residual_norm_function(forward_fn, backward_fn) -> type[torch.autograd.Function]:
+    """The autograd op of a forward ``(residual, delta, weight, eps) -> (x, normed, rstd)`` and a backward
+    ``(g_normed, g_skip, x, weight, rstd) -> (dsum, dw)`` with the signatures of ``residual_norm_forward_ref`` and
+    ``residual_norm_backward_ref`` (the reference's pair, or the kernels'): it saves x, the weight and rstd, and
+    passes dsum to both residual and delta (the add hands its gradient to both)."""
 
-    @staticmethod
-    def forward(ctx, residual, delta, weight, eps):
-        x, normed, rstd = residual_norm_forward_ref(residual, delta, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.set_materialize_grads(False)
-        return x, normed
+    class _ResidualNormOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, residual, delta, weight, eps):
+            x, normed, rstd = forward_fn(residual, delta, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            ctx.set_materialize_grads(False)
+            return x, normed
 
-    @staticmethod
-    def backward(ctx, g_skip, g_normed):
-        x, weight, rstd = ctx.saved_tensors
-        if g_normed is None:
-            g_normed = torch.zeros_like(x)
-        dsum, dw = residual_norm_backward_ref(g_normed, g_skip, x, weight, rstd)
-        return dsum, dsum, dw, None
+        @staticmethod
+        def backward(ctx, g_skip, g_normed):
+            x, weight, rstd = ctx.saved_tensors
+            if g_normed is None:
+                g_normed = torch.zeros_like(x)
+            dsum, dw = backward_fn(g_normed, g_skip, x, weight, rstd)
+            return dsum, dsum, dw, None
+
+    return _ResidualNormOp
+
+
+_ResidualNormRef = residual_norm_function(residual_norm_forward_ref, residual_norm_backward_ref)
 
 
 def residual_norm_ref(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(residual + delta, RMSNorm(residual + delta) * weight)``, differentiable w.r.t. the three tensors, by the
-    reference's forward and backward."""
-    check_residual_norm_input(residual, delta, weight)
+    reference's forward and backward (its forward checks the inputs)."""
     return _ResidualNormRef.apply(residual, delta, weight, eps)
