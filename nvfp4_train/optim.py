@@ -37,9 +37,9 @@ checkpoint of either form resumes in the other.
 
 Passes over memory per step and FP32 parameter (``scripts/bench_optimizer.py`` times them): the clipping norm,
 which is also the non-finite check (read, 4; megatron's found-inf check, read and write, 8, is no longer run),
-the clipping multiply (read and write, 8, only on a step that clips), AdamW (28), megatron's copy of the master weights into the bf16 parameters (read fp32,
-write bf16, 6: already one ``copy_`` per tensor, one pass; a ``torch._foreach_copy_`` would save launches, not
-bytes).
+the clipping multiply (read and write, 8, only on a step that clips), AdamW (28), megatron's copy of the master
+weights into the bf16 parameters (read fp32, write bf16, 6: already one ``copy_`` per tensor, one pass; a
+``torch._foreach_copy_`` would save launches, not bytes).
 """
 
 from __future__ import annotations
@@ -172,10 +172,11 @@ def _stats_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _sum_of_squares(grads: list, group):
-    """The squared L2 norm of ``grads`` (fp32, shape [1], on the device), summed over ``group`` as
-    megatron's ``get_grad_norm_fp32`` sums it (over the data-parallel group of DTensor gradients first).
-    Always runs the collective, also with no gradients on this rank (the other ranks wait for it)."""
+def _sum_of_squares(grads: list, group, left_out: list = ()):
+    """The squared L2 norms of ``grads`` and of ``left_out`` (fp32, shape [2], on the device), summed over
+    ``group`` in one all-reduce as megatron's ``get_grad_norm_fp32`` sums the first (over the data-parallel group
+    of DTensor gradients first). Always runs the collective, also with no gradients on this rank (the other ranks
+    wait for it)."""
     import torch
     import torch.distributed as dist
     from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
@@ -184,11 +185,13 @@ def _sum_of_squares(grads: list, group):
     for g in grads:
         dp_group = get_data_parallel_group_if_dtensor(g, dp_group)
     grads = [to_local_if_dtensor(g) for g in grads]
-    if grads:
-        norms = torch._foreach_norm(grads)
-        total = torch.stack(norms).float().square().sum().reshape(1)
-    else:
-        total = torch.zeros(1, dtype=torch.float32, device=_stats_device())
+
+    def sq(ts: list):
+        if not ts:
+            return torch.zeros(1, dtype=torch.float32, device=_stats_device())
+        return torch.stack(torch._foreach_norm(ts)).float().square().sum().reshape(1)
+
+    total = torch.cat([sq(grads), sq(list(left_out))])
     if dp_group:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
@@ -225,21 +228,37 @@ def clip_grad_norm_sync_free(optimizers: list, max_norm: float, *, shared_group:
     import torch
 
     opts = list(optimizers)
-    if shared_group and opts:
-        grads = [g for o in opts for g in grads_for_grad_norm(o)]
-        total = _sum_of_squares(grads, opts[0].get_grad_stats_parallel_group())
-    else:
-        total = None
-        for o in opts:
-            sq = _sum_of_squares(grads_for_grad_norm(o), o.get_grad_stats_parallel_group())
-            total = sq if total is None else total + sq
-        if total is None:
-            total = torch.zeros(1, dtype=torch.float32, device=_stats_device())
-    norm = total.double().sqrt()
+    norm, _ = _global_norm(opts, shared_group)
     if max_norm > 0.0:
         coeff = _clip_coefficient(norm, max_norm)
         _scale_grads(opts, torch.where(coeff < 1.0, coeff, 1.0).float())
-    return norm.reshape(())
+    return norm
+
+
+def _global_norm(opts: list, shared_group: bool, *, with_left_out: bool = False):
+    """``(norm, left_out)``: the global norm of :func:`clip_grad_norm_sync_free` (0-d float64) and, with
+    ``with_left_out``, the sum of squares of the main gradients ``grads_for_grad_norm`` leaves out
+    (tensor-parallel duplicates, shared parameters; 0-d fp32, non-finite when one of them holds a NaN or an Inf
+    on some rank), reduced by the norm's own all-reduces; else 0."""
+    import torch
+
+    def left_out(o) -> list:
+        if not with_left_out or getattr(o, "is_stub_optimizer", False) or not o.get_parameters():
+            return []
+        counted = {(g.data_ptr(), g.numel()) for g in grads_for_grad_norm(o)}
+        return [g for g in _grads_to_clip(o) if (g.data_ptr(), g.numel()) not in counted]
+
+    if shared_group and opts:
+        grads = [g for o in opts for g in grads_for_grad_norm(o)]
+        total = _sum_of_squares(grads, opts[0].get_grad_stats_parallel_group(), [g for o in opts for g in left_out(o)])
+    else:
+        total = None
+        for o in opts:
+            sq = _sum_of_squares(grads_for_grad_norm(o), o.get_grad_stats_parallel_group(), left_out(o))
+            total = sq if total is None else total + sq
+        if total is None:
+            total = torch.zeros(2, dtype=torch.float32, device=_stats_device())
+    return total[0].double().sqrt(), total[1]
 
 
 def _clip_coefficient(norm, max_norm: float):
@@ -261,26 +280,6 @@ def _scale_grads(opts: list, coeff) -> None:
         torch._foreach_mul_(grads, coeff.to(grads[0].device).reshape(()))
 
 
-def _nonfinite_outside_norm(optimizers: list):
-    """The sum of squares of the main gradients ``grads_for_grad_norm`` leaves out (tensor-parallel duplicates,
-    shared parameters), all-reduced over each optimizer's gradient group: a 0-d fp32 device tensor, non-finite
-    when one of them holds a NaN or an Inf on some rank. The collective always runs (other ranks may have some)."""
-    import torch
-    import torch.distributed as dist
-
-    total = None
-    for o in optimizers:
-        if getattr(o, "is_stub_optimizer", False) or not o.get_parameters():
-            continue
-        counted = {(g.data_ptr(), g.numel()) for g in grads_for_grad_norm(o)}
-        rest = [g for g in _grads_to_clip(o) if (g.data_ptr(), g.numel()) not in counted]
-        sq = (torch.stack(torch._foreach_norm(rest)).float().square().sum().reshape(1) if rest
-              else torch.zeros(1, dtype=torch.float32, device=_stats_device()))
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=o.get_grad_stats_parallel_group())
-        total = sq if total is None else total + sq
-    return total
-
-
 def optimizer_step(optimizer, clip_grad: float):
     """One optimizer step, ``optimizer.step()``'s, with :func:`clip_grad_norm_sync_free` instead of
     megatron's clipping (built by :func:`build_optimizer`, megatron's ``clip_grad`` is 0). Returns
@@ -299,10 +298,9 @@ def optimizer_step(optimizer, clip_grad: float):
         chained = isinstance(optimizer, ChainedOptimizer)
         opts = optimizer.chained_optimizers if chained else [optimizer]
         shared = not chained or len(opts) <= 1 or optimizer.grads_states_parallel_group_is_shared()
-        # the norm is also the non-finite check: computed on every step
-        norm = clip_grad_norm_sync_free(opts, 0.0, shared_group=shared)
-        rest = _nonfinite_outside_norm(opts)
-        finite = torch.isfinite(norm) if rest is None else torch.isfinite(norm) & torch.isfinite(rest.reshape(()))
+        # the norm is also the non-finite check: computed on every step, with the gradients it leaves out
+        norm, left_out = _global_norm(opts, shared, with_left_out=True)
+        finite = torch.isfinite(norm) & torch.isfinite(left_out)
         coeff = _clip_coefficient(norm, clip_grad) if clip_grad > 0.0 else None
         clips = coeff < 1.0 if coeff is not None else torch.zeros_like(finite)
         # the step's one host synchronization (megatron's found-inf flag had one too): whether every gradient is
