@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from nvfp4_train.mcore_compat.optimizer import adam_params_device, grads_for_grad_norm, set_fused_adam
 
 __all__ = ["OptimConfig", "build_ddp", "build_optimizer", "check_adam_step_size", "fused_adam_on",
-           "megatron_optimizer_config", "optimizer_step", "clip_grad_norm_sync_free"]
+           "megatron_optimizer_config", "optimizer_step", "begin_optimizer_step", "finish_optimizer_step",
+           "PendingStep", "clip_grad_norm_sync_free"]
 
 FP32_MAX = 3.4028234663852886e38
 
@@ -280,21 +281,33 @@ def _scale_grads(opts: list, coeff) -> None:
         torch._foreach_mul_(grads, coeff.to(grads[0].device).reshape(()))
 
 
-def optimizer_step(optimizer, clip_grad: float):
-    """One optimizer step, ``optimizer.step()``'s, with :func:`clip_grad_norm_sync_free` instead of
-    megatron's clipping (built by :func:`build_optimizer`, megatron's ``clip_grad`` is 0). Returns
-    ``(success, grad_norm, num_zeros)`` as megatron's ``step()`` would with ``clip_grad``: ``(False, None,
-    None)`` when a main gradient on some rank is non-finite (the global norm's check, module docstring), before
-    the weights are touched; ``grad_norm`` a 0-d device tensor (a
-    ``ChainedOptimizer`` always computes it; a single mixed-precision optimizer returns 0.0 and the FP32
-    one None when ``clip_grad`` is 0); ``num_zeros`` counted when ``log_num_zeros_in_grad`` is set."""
+@dataclass
+class PendingStep:
+    """An optimizer step whose decisions are on the device, not yet read (:func:`begin_optimizer_step`).
+
+    ``flags``: a float64 device tensor ``[every main gradient finite, the step clips]`` (1.0 / 0.0), the two
+    values :func:`finish_optimizer_step` needs from the host; None when megatron's ``prepare_grads`` already
+    found a non-finite gradient (fp16's dynamic grad scaler, which reads its flag itself)."""
+
+    optimizer: object
+    clip_grad: float
+    norm: object = None
+    coeff: object = None
+    flags: object = None
+
+
+def begin_optimizer_step(optimizer, clip_grad: float) -> PendingStep:
+    """The first half of :func:`optimizer_step`, without a host synchronization: megatron's ``prepare_grads``,
+    the global norm (also the non-finite check) and the clipping coefficient, their decisions left on the device
+    in :attr:`PendingStep.flags`. A caller with values of its own to read (the trainer's loss) reads them with
+    the flags in one transfer and passes the flags to :func:`finish_optimizer_step`: the host work in between
+    is queued behind the step's forwards and backwards instead of running while the GPU waits."""
     import torch
-    from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     with torch.no_grad():
         if optimizer.prepare_grads():  # a grad scaler's found-inf (fp16's dynamic scaler; none for bf16/fp32)
-            return False, None, None
-        count = getattr(getattr(optimizer, "config", None), "log_num_zeros_in_grad", False)
+            return PendingStep(optimizer, clip_grad)
         chained = isinstance(optimizer, ChainedOptimizer)
         opts = optimizer.chained_optimizers if chained else [optimizer]
         shared = not chained or len(opts) <= 1 or optimizer.grads_states_parallel_group_is_shared()
@@ -303,14 +316,31 @@ def optimizer_step(optimizer, clip_grad: float):
         finite = torch.isfinite(norm) & torch.isfinite(left_out)
         coeff = _clip_coefficient(norm, clip_grad) if clip_grad > 0.0 else None
         clips = coeff < 1.0 if coeff is not None else torch.zeros_like(finite)
-        # the step's one host synchronization (megatron's found-inf flag had one too): whether every gradient is
-        # finite, and whether the step clips; a step that does not clip multiplies nothing, as megatron's own
-        # clipping (``clip_coeff < 1.0`` decided on the host)
-        finite, clips = torch.stack([finite, clips]).tolist()
-        if not finite:
-            return False, None, None
+        return PendingStep(optimizer, clip_grad, norm, coeff, torch.stack([finite, clips]).double())
+
+
+def finish_optimizer_step(pending: PendingStep, flags) -> tuple:
+    """The second half of :func:`optimizer_step`: ``flags`` are ``pending.flags`` read on the host (a sequence
+    of two numbers; ignored when ``pending.flags`` is None). A step with a non-finite gradient returns ``(False,
+    None, None)`` without touching the weights; a step that clips multiplies every gradient by the coefficient,
+    one that does not multiplies nothing (megatron's own ``clip_coeff < 1.0``, decided on the host); then
+    megatron's ``step_with_ready_grads``."""
+    import torch
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
+
+    optimizer, clip_grad = pending.optimizer, pending.clip_grad
+    if pending.flags is None:
+        return False, None, None
+    finite, clips = (float(f) for f in flags)
+    if not finite:
+        return False, None, None
+    with torch.no_grad():
+        count = getattr(getattr(optimizer, "config", None), "log_num_zeros_in_grad", False)
+        chained = isinstance(optimizer, ChainedOptimizer)
+        opts = optimizer.chained_optimizers if chained else [optimizer]
         if clips:
-            _scale_grads(opts, coeff.float())
+            _scale_grads(opts, pending.coeff.float())
+        norm = pending.norm
         if chained:
             grad_norm = norm
             num_zeros = optimizer.count_zeros() if count else None
@@ -320,3 +350,16 @@ def optimizer_step(optimizer, clip_grad: float):
                                                                else None)
         success = optimizer.step_with_ready_grads()
     return success, grad_norm, num_zeros
+
+
+def optimizer_step(optimizer, clip_grad: float):
+    """One optimizer step, ``optimizer.step()``'s, with :func:`clip_grad_norm_sync_free`'s clipping instead of
+    megatron's (built by :func:`build_optimizer`, megatron's ``clip_grad`` is 0): :func:`begin_optimizer_step`,
+    the step's one host read of its two decisions (megatron's found-inf flag had one too), then
+    :func:`finish_optimizer_step`. Returns ``(success, grad_norm, num_zeros)`` as megatron's ``step()`` would
+    with ``clip_grad``: ``(False, None, None)`` when a main gradient on some rank is non-finite (the global
+    norm's check, module docstring), before the weights are touched; ``grad_norm`` a 0-d device tensor (a
+    ``ChainedOptimizer`` always computes it; a single mixed-precision optimizer returns 0.0 and the FP32 one None
+    when ``clip_grad`` is 0); ``num_zeros`` counted when ``log_num_zeros_in_grad`` is set."""
+    pending = begin_optimizer_step(optimizer, clip_grad)
+    return finish_optimizer_step(pending, pending.flags.tolist() if pending.flags is not None else None)

@@ -9,10 +9,12 @@ parameters).
 
 One step (:meth:`Trainer.train_step`): set the step's learning rate (WSD), apply the precision switch when it
 starts, run megatron's ``get_forward_backward_func`` over ``global_batch_size / (micro_batch_size * DP)``
-micro-batches (1F1B under pipeline parallelism), all-reduce [loss, non-finite flag, signal flag] over the
-world, then either skip the optimizer (non-finite loss or learning rate) or call it (it skips itself on
-non-finite gradients; the gradient clipping is ``nvfp4_train.optim.optimizer_step``'s, without host syncs:
-see ``nvfp4_train.optim``). :meth:`Trainer.run` is that step in a loop, then, in this order: the step's
+micro-batches (1F1B under pipeline parallelism; the next step's micro-batches are read while the device
+runs them), all-reduce [loss, non-finite flag, signal flag] over the world on the device, enqueue the
+optimizer's global norm (``nvfp4_train.optim.begin_optimizer_step``: the non-finite-gradient check and the
+clipping decision), read all of it in the step's one host read, then either skip the optimizer (non-finite
+loss, learning rate or gradient) or finish its step (``finish_optimizer_step``: clipped, then megatron's
+update; see ``nvfp4_train.optim``). :meth:`Trainer.run` is that step in a loop, then, in this order: the step's
 records, bad-step handling (``optim.max_consecutive_bad_steps`` skipped steps in a row stop the run,
 ``TrainingDiverged``, with a report naming the first non-finite quantized layer, its telemetry and the
 checkpoint to resume from: ``nvfp4_train.spikes.RecoveryPoint``), spike handling (``spike.*``, off by default:
@@ -52,7 +54,7 @@ from nvfp4_train.config.compose import check_finite
 from nvfp4_train.cuda_graph import CudaGraphStep, resolve_cuda_graph
 from nvfp4_train.mcore_compat.safe_load import UntrustedPickleError
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
-from nvfp4_train.optim import check_adam_step_size, optimizer_step
+from nvfp4_train.optim import begin_optimizer_step, check_adam_step_size, finish_optimizer_step
 from nvfp4_train.parallel.setup import ParallelState, setup_parallel, teardown_parallel
 from nvfp4_train.precision import telemetry as quant_telemetry
 from nvfp4_train.precision.layer_map import LayerPrecisionMap, recipe_in_effect
@@ -192,6 +194,12 @@ class NonfiniteChecks:
     def after_step(self, ok: bool) -> None:
         if self.mode == "after_skip":
             self._set(not ok)
+
+
+def _phase(name: str):
+    """A host range of the training step, ``train_step/<name>``, seen by ``torch.profiler``
+    (``nvfp4_train.bench.profile`` attributes the GPU's idle time to these); a no-op op call otherwise."""
+    return torch.profiler.record_function(f"train_step/{name}")
 
 
 def _unwrap(ddp):
@@ -546,6 +554,7 @@ class Trainer:
         self.last_loss: float | None = None  # of the latest good step
         self.last_val: float | None = None  # of the latest evaluation
         self._batches = None  # the training batches' iterator, from the current position (made at the first step)
+        self._ahead: list | None = None  # the next step's micro-batches, read during this one (_read_ahead)
         if self._graphs:  # after the resume: the device counters start from the restored host counts
             self.cuda_graph = CudaGraphStep(module, device=self.device, stream=self._stream)
 
@@ -696,13 +705,45 @@ class Trainer:
         sequence-parallel norm all-reduce), with the process groups it defaults to."""
         self.tconfig.finalize_model_grads_func([self.ddp], None)
 
-    def _local_loss(self, losses) -> float:
-        """This rank's contribution to the world-summed loss: its DP replica's mean over micro-batches,
-        divided by DP, on the last stage's tensor-parallel rank 0; 0 elsewhere."""
+    def _local_loss(self, losses) -> torch.Tensor:
+        """This rank's contribution to the world-summed loss, a 0-d float64 device tensor: its DP replica's
+        mean over micro-batches divided by DP on the last stage's tensor-parallel rank 0 (the same float64
+        arithmetic as a host-side ``float(mean) / dp``), 0 elsewhere."""
         if not (self.ps.is_last_stage and self.ps.tp_rank == 0) or not losses:
-            return 0.0
-        vals = torch.stack([d["loss"].float() for d in losses])
-        return float(vals.mean()) / self.ps.dp
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return (torch.stack([d["loss"].float() for d in losses]).mean().double() / self.ps.dp).to(self.device)
+
+    def _step_stats(self, losses) -> torch.Tensor:
+        """The step's [loss, non-finite loss, stop signal] summed over the world, a float64 device tensor left
+        unread (the trainer reads it with the optimizer's decisions, one host read per step); this rank's loss is
+        :meth:`_local_loss`."""
+        local = self._local_loss(losses)
+        sig = torch.full((), float(self._signals.signum != 0), dtype=torch.float64, device=self.device)
+        t = torch.stack([local, (~torch.isfinite(local)).double(), sig])
+        if self.ps.world_size > 1:
+            torch.distributed.all_reduce(t)
+        return t
+
+    def _step_batches(self) -> list:
+        """This step's micro-batches: those read ahead during the previous step (:meth:`_read_ahead`), else
+        read now. The first call opens the training data at the current position."""
+        if self._batches is None:
+            start = self.step * self.cfg.schedule.global_batch_size + self.skipped_samples
+            self._batches = iter(self._loader(self.train_ds, start))
+        batches, self._ahead = self._ahead, None
+        return batches if batches is not None else [next(self._batches) for _ in range(self.num_micro)]
+
+    def _read_ahead(self) -> None:
+        """Read the next step's micro-batches now, while the device runs this step's forwards and backwards
+        (queued, not waited for): the host would otherwise read them at the next step's start with the device
+        idle (a DataLoader worker hands each batch over through shared memory). Nothing after the last step;
+        the data order is the same (a rollback re-opens the data and drops what was read ahead)."""
+        if self.step + 1 >= self.sched.train_steps:
+            return
+        try:
+            self._ahead = [next(self._batches) for _ in range(self.num_micro)]
+        except StopIteration:  # the next step fails reading, as it would have without this
+            self._ahead = None
 
     def _allreduce(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -724,7 +765,7 @@ class Trainer:
             with torch.no_grad():
                 for _ in range(self.cfg.schedule.eval_batches):
                     losses = self._run_fb(it, forward_only=True, num_micro=self.num_micro)
-                    total += self._local_loss(losses)
+                    total += float(self._local_loss(losses))
             self.ddp.train()
             invalidate_weight_caches(_unwrap(self.ddp))
             (val,) = self._allreduce([total / self.cfg.schedule.eval_batches])
@@ -828,9 +869,10 @@ class Trainer:
         """Run one training step, the one :meth:`run` loops over, and return its :class:`StepOutcome`.
 
         In order: the precision switch when its step has come, telemetry when due, the step's learning rate
-        (WSD), forward and backward over the global batch's micro-batches, one all-reduce of [loss, non-finite
-        loss, signal], then the optimizer step (clipped, sync-free) unless the loss or the learning rate is
-        non-finite (megatron's optimizer skips a non-finite gradient itself). A skipped step is counted in
+        (WSD), forward and backward over the global batch's micro-batches (read ahead during the previous
+        step), one all-reduce of [loss, non-finite loss, signal] and the optimizer's global norm on the device,
+        one host read of both, then the optimizer step (clipped) unless the loss, the learning rate or a
+        gradient is non-finite. A skipped step is counted in
         :attr:`skipped_steps` and extends :attr:`streak` (naming the first non-finite quantized layer over the
         ranks); a good step ends the streak. ``step`` advances by one. Collective: every rank calls it.
 
@@ -845,9 +887,6 @@ class Trainer:
         cfg = self.cfg
         module = _unwrap(self.ddp)
         step = self.step
-        if self._batches is None:
-            start = step * cfg.schedule.global_batch_size + self.skipped_samples
-            self._batches = iter(self._loader(self.train_ds, start))
         if self.switch_start is not None and step >= self.switch_start and not self.switched:
             n = apply_precision_switch(module, self.layer_map, self.switch, step=step,
                                        total_steps=self.sched.train_steps)
@@ -861,28 +900,39 @@ class Trainer:
 
         lr = self.lr_schedule.apply(step)
         t0 = time.perf_counter()
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        if self.cuda_graph is not None:
-            batches = [next(self._batches) for _ in range(self.num_micro)]
-            losses = self.cuda_graph.run(self._graph_fb, batches, self._finalize_grads)
-        else:
-            losses = self._run_fb(self._batches, forward_only=False, num_micro=self.num_micro)
-        local = self._local_loss(losses)
-        loss, bad_loss, sig = self._allreduce([local, 0.0 if math.isfinite(local) else 1.0,
-                                               float(self._signals.signum != 0)])
-        grad_norm = None
+        with _phase("prepare"):
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            batches = self._step_batches()
+        with _phase("forward_backward"):
+            if self.cuda_graph is not None:
+                losses = self.cuda_graph.run(self._graph_fb, batches, self._finalize_grads)
+            else:
+                losses = self._run_fb(iter(batches), forward_only=False, num_micro=self.num_micro)
+        with _phase("read_ahead"):
+            self._read_ahead()
+        grad_norm = pending = None
+        with _phase("optimizer_begin"):
+            stats = self._step_stats(losses)
+            if math.isfinite(lr):  # else the same on every rank: an update by it would be non-finite everywhere
+                # megatron's step with our sync-free clipping, its decisions read with the loss in the step's
+                # one host read
+                pending = begin_optimizer_step(self.optimizer, cfg.optim.clip_grad)
+        with _phase("host_read"):
+            read = torch.cat([stats, pending.flags]) if pending is not None and pending.flags is not None else stats
+            loss, bad_loss, sig, *flags = read.tolist()
         if bad_loss > 0:
             reason = "non-finite loss"
-        elif not math.isfinite(lr):  # the same on every rank: an update by it would be non-finite everywhere
+        elif pending is None:
             reason = "non-finite learning rate"
         else:
-            # megatron's step with our sync-free clipping; grad_norm: a device tensor, read at logging
-            ok, grad_norm, _ = optimizer_step(self.optimizer, cfg.optim.clip_grad)
+            with _phase("optimizer_finish"):
+                ok, grad_norm, _ = finish_optimizer_step(pending, flags)  # grad_norm: a device tensor
             reason = None if ok else "non-finite gradient"
-        invalidate_weight_caches(module)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        with _phase("end"):
+            invalidate_weight_caches(module)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
 
@@ -1084,7 +1134,7 @@ class Trainer:
             return False
         from_step = self.step
         first, end = self._rollback(path)
-        self._batches = iter(self._loader(self.train_ds, end))
+        self._batches, self._ahead = iter(self._loader(self.train_ds, end)), None
         self.last_checkpoint, self.saved_step, self.streak = str(path), self.step, BadStreak()
         if self.switched and self.step < self.switch_start:  # back before the precision switch
             apply_precision_switch(_unwrap(self.ddp), self.layer_map, self.switch, step=self.step,

@@ -305,3 +305,46 @@ def test_sync_debug_step_restores_the_mode_on_error(monkeypatch):
 def test_sync_debug_step_without_cuda(monkeypatch):
     monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: False)
     assert sync_debug_step(lambda: pytest.fail("must not run")) is None
+
+
+@pytest.mark.parametrize("window, busy, gaps", [
+    ((0, 10), [], [(0, 10)]),
+    ((0, 10), [(0, 10)], []),
+    ((0, 10), [(2, 4), (3, 5), (7, 8)], [(0, 2), (5, 7), (8, 10)]),   # overlapping busy intervals count once
+    ((0, 10), [(-5, 1), (9, 20)], [(1, 9)]),                          # intervals beyond the window are clipped
+    ((0, 10), [(7, 8), (2, 4)], [(0, 2), (4, 7), (8, 10)]),           # unsorted
+    ((0, 10), [(20, 30)], [(0, 10)]),
+])
+def test_idle_gaps(window, busy, gaps):
+    assert profile.idle_gaps(window, busy) == gaps
+
+
+def test_idle_by_phase():
+    # window 0-100; the GPU busy 10-40 and 60-70; host phases a: 0-30, b: 30-50, c: 50-80; 80-100 outside
+    phases = [("train_step/a", 0, 30), ("train_step/b", 30, 50), ("train_step/c", 50, 80)]
+    got = profile.idle_by_phase((0, 100), [(10, 40), (60, 70)], phases)
+    assert list(got) == ["a", "b", "c", profile.OUTSIDE]
+    assert got == {"a": 10.0, "b": 10.0, "c": 20.0, profile.OUTSIDE: 20.0}
+    assert sum(got.values()) == 100 - union_length([(10, 40), (60, 70)])
+    # a phase seen twice (a name repeats) adds up; no phases: all idle is outside
+    got = profile.idle_by_phase((0, 10), [], [("train_step/a", 0, 2), ("train_step/a", 5, 6)])
+    assert got == {"a": 3.0, profile.OUTSIDE: 7.0}
+    assert profile.idle_by_phase((0, 10), [(0, 4)], []) == {profile.OUTSIDE: 6.0}
+
+
+def test_host_ranges_and_device_intervals_from_kineto_events():
+    events = [_KinetoEvent("train_step/b", CPU, 5000, 1000, "user_annotation", True),
+              _KinetoEvent("train_step/a", CPU, 1000, 2000, "user_annotation", True),
+              _KinetoEvent("train_step/a", CUDA, 1500, 2000, "gpu_user_annotation", True),
+              _KinetoEvent("aten::mm", CPU, 0, 5000, "cpu_op"),
+              _KinetoEvent("gemm_a", CUDA, 1000, 2000),
+              _KinetoEvent("Memcpy HtoD (Pageable -> Device)", CUDA, 4000, 500, "gpu_memcpy"),
+              _KinetoEvent("Memset (Device)", CUDA, 4500, 100, "gpu_memset")]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    assert profile.host_ranges(prof, "train_step/") == [("train_step/a", 1.0, 3.0), ("train_step/b", 5.0, 6.0)]
+    assert profile.device_intervals(prof) == [(1.0, 3.0), (4.0, 4.5), (4.5, 4.6)]
+
+
+def test_profile_step_on_cpu_has_no_idle_attribution(tmp_path):
+    rec = profile.profile_step(lambda: torch.ones(3).sum(), tmp_path / "k.csv")
+    assert "idle_by_phase" not in rec and rec["note"] == "no CUDA events"

@@ -1,7 +1,10 @@
 """The profile of one training step: kernel time by category, GPU busy time, host-blocking CUDA calls, and the
 host-GPU synchronizations found under ``torch.cuda.set_sync_debug_mode("warn")`` with their Python stacks.
 
-``profile_step`` runs a step under ``torch.profiler`` and summarises it (``kernel_summary``, ``runtime_summary``);
+``profile_step`` runs a step under ``torch.profiler`` and summarises it (``kernel_summary``, ``runtime_summary``,
+and ``idle_by_phase``: the GPU's idle time within the step split by the trainer's host phase meanwhile, its
+``record_function`` ranges ``train_step/prepare``, ``forward_backward``, ``read_ahead``, ``optimizer_begin``,
+``host_read``, ``optimizer_finish``, ``end``; idle there means no kernel, memcpy or memset running);
 ``sync_debug_step`` runs a step in sync-debug mode and groups the warnings by call site (``group_sync_warnings``).
 The arithmetic (interval union, categories, grouping) is plain Python, tested on synthetic events.
 """
@@ -141,6 +144,85 @@ def runtime_summary(calls: Iterable[tuple[str, float]], blocking: str = BLOCKING
     return dict(runtime_calls=rows, launch_calls=dict(count=n_launch, total_ms=launch_us / 1e3))
 
 
+PHASE_PREFIX = "train_step/"  # the trainer's host ranges (nvfp4_train.trainer._phase)
+STEP_RANGE = "profile/step"  # profile_step's own range around the step: the window of the idle attribution
+OUTSIDE = "(outside the step's phases)"
+
+
+def host_ranges(prof: torch.profiler.profile, prefix: str) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of the host-side ``record_function`` ranges whose name starts with
+    ``prefix`` (CPU user annotations; Kineto events where this torch has them, else FunctionEvents)."""
+    out = []
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is not None and hasattr(results, "events"):
+        for e in results.events():
+            if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(prefix):
+                out.append((e.name(), e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
+        return sorted(out, key=lambda r: r[1])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(prefix):
+            out.append((e.name, e.time_range.start, e.time_range.end))
+    return sorted(out, key=lambda r: r[1])
+
+
+def device_intervals(prof: torch.profiler.profile) -> list[tuple[float, float]]:
+    """``(start_us, end_us)`` of everything the GPU ran: kernels, memcpys and memsets (not annotations)."""
+    out = []
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is not None and hasattr(results, "events"):
+        for e in results.events():
+            if e.device_type() != torch.autograd.DeviceType.CUDA:
+                continue
+            if hasattr(e, "is_user_annotation") and e.is_user_annotation():
+                continue
+            if "annotation" in (str(e.activity_type()) if hasattr(e, "activity_type") else ""):
+                continue
+            out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
+        return out
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            out.append((e.time_range.start, e.time_range.end))
+    return out
+
+
+def idle_gaps(window: tuple[float, float], busy: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of ``window`` that no ``busy`` interval covers, in order."""
+    lo, hi = window
+    gaps, cur = [], lo
+    for start, end in sorted(busy):
+        if end <= cur:
+            continue
+        if start >= hi:
+            break
+        if start > cur:
+            gaps.append((cur, start))
+        cur = max(cur, end)
+    if cur < hi:
+        gaps.append((cur, hi))
+    return gaps
+
+
+def idle_by_phase(window: tuple[float, float], busy: Iterable[tuple[float, float]],
+                  phases: list[tuple[str, float, float]], prefix: str = PHASE_PREFIX) -> dict[str, float]:
+    """The GPU's idle time in ``window`` (us; the gaps between ``busy`` intervals) split by the host phase
+    running meanwhile: each idle stretch counts for the ``phases`` range (``(name, start, end)``, not
+    overlapping; the name less ``prefix``) it overlaps, the rest for :data:`OUTSIDE`. Phases in order of first
+    appearance, OUTSIDE last; the values sum to the window's idle time."""
+    out: dict[str, float] = {}
+    for name, _, _ in phases:
+        out.setdefault(name[len(prefix):] if name.startswith(prefix) else name, 0.0)
+    out[OUTSIDE] = 0.0
+    for a, b in idle_gaps(window, busy):
+        covered = 0.0
+        for name, start, end in phases:
+            overlap = min(b, end) - max(a, start)
+            if overlap > 0:
+                out[name[len(prefix):] if name.startswith(prefix) else name] += overlap
+                covered += overlap
+        out[OUTSIDE] += (b - a) - covered
+    return out
+
+
 def kernel_summary(kernels: list[tuple[str, float, float]], wall_s: float,
                    categories: dict[str, str] = KERNEL_CATEGORIES) -> tuple[dict, list[dict]]:
     """The profile record (wall, busy, idle fraction, launches, time per category, top kernels) and the
@@ -179,12 +261,17 @@ def profile_step(step: Callable[[], None], path: Path) -> dict:
         torch.cuda.synchronize()
     with profile(activities=activities) as prof:
         t = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
+        with torch.profiler.record_function(STEP_RANGE):
+            step()
+            if cuda:
+                torch.cuda.synchronize()
         wall = time.perf_counter() - t
     rec, rows = kernel_summary(cuda_kernels(prof), wall)
     rec.update(runtime_summary(runtime_calls(prof)))
+    windows = host_ranges(prof, STEP_RANGE)
+    if cuda and windows:
+        idle = idle_by_phase(windows[0][1:], device_intervals(prof), host_ranges(prof, PHASE_PREFIX))
+        rec["idle_by_phase"] = {k: v / 1e3 for k, v in idle.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["name", "category", "count", "total_us"])
@@ -225,6 +312,12 @@ def print_profile(case: str, recipe: str, p: dict) -> None:
         lc = p["launch_calls"]
         print(f"\nkernel-launch calls (cudaLaunchKernel*/cuLaunchKernel*): {lc['count']}, "
               f"{lc['total_ms']:.2f} ms host time")
+    if "idle_by_phase" in p:
+        print("\nGPU idle by what the host was doing (the trainer's step phases, `train_step/*`):\n")
+        print("| host phase | GPU idle ms |")
+        print("|---|---|")
+        for phase, ms in p["idle_by_phase"].items():
+            print(f"| {phase} | {ms:.2f} |")
     print(f"\nall kernels: {p['csv']}", flush=True)
 
 

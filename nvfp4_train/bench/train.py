@@ -43,7 +43,10 @@ runtime/driver calls that block or may block the host (``BLOCKING_CALLS``: cudaS
 cudaDeviceSynchronize, cudaEventSynchronize, cudaMemcpy[Async], cudaStreamWaitEvent, cuStreamSynchronize,
 cuCtxSynchronize, cuMemcpy*): name, count, total and longest ms, as the table "host-blocking CUDA calls" and under
 ``"runtime_calls"``; and the host time spent in kernel launches (cudaLaunchKernel*, cuLaunchKernel*: count, total
-ms) under ``"launch_calls"``. A cudaMemcpyAsync blocks only when one side is pageable host memory; a long
+ms) under ``"launch_calls"``; and the GPU's idle time split by what the host was doing meanwhile (the trainer's
+step phases, ``train_step/*`` ranges: preparing the step, launching the forwards and backwards, reading the next
+step's batches, enqueueing the optimizer's norm, the step's one host read, the optimizer's update, the end of the
+step; "outside" for the rest) as the table "GPU idle by host phase" and under ``"idle_by_phase"`` (ms). A cudaMemcpyAsync blocks only when one side is pageable host memory; a long
 cudaStreamSynchronize / cudaMemcpy is where the host waited for the GPU.
 
 ``--sync-debug``: after the above (the profiled step included), each case and recipe runs ONE more full training

@@ -3,6 +3,7 @@ stand-in): the step ``run()`` loops over, and a step whose update would be non-f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -108,3 +109,87 @@ def _same(x, y) -> bool:
     if isinstance(x, dict):
         return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
     return x == y
+
+
+def test_one_host_read_per_step_and_the_next_batches_read_during_it(tmp_path, one_process_env):
+    """Outside its forwards and backwards (a CUDA graph's replay on a GPU) a good step reads the device once:
+    loss, non-finite flags, signal and the optimizer's two decisions in one ``tolist`` (a host read waits for
+    every queued kernel: the host work after it runs while the GPU idles). The next step's micro-batches are
+    read in this step, after its forwards and backwards are queued; the last step reads none ahead. The AdamW is
+    the fused form a GPU run uses (torch's CPU default reads each parameter's step count on the host)."""
+    from nvfp4_train.mcore_compat.optimizer import set_fused_adam
+    from tests.trainer.test_clip import _HostReads, _ScalarCopies
+
+    reads, copies, seen = _Outside(_HostReads), _Outside(_ScalarCopies), []
+    with Trainer(_cfg(tmp_path / "r", "schedule.train_steps=3")) as t:
+        run_fb = t._run_fb
+
+        def fb(iterator, **kw):
+            with reads.paused(), copies.paused():
+                return run_fb(_Seen(iterator, seen), **kw)
+
+        t._run_fb = fb
+        set_fused_adam(t.optimizer, True)
+        t.train_step()  # the first step opens the data and builds the optimizer's state
+        want = [{k: v.clone() for k, v in b.items()} for b in t._ahead]
+        loader = iter(t._loader(t.train_ds, t.cfg.schedule.global_batch_size))
+        for b, ref in zip(want, [next(loader) for _ in range(t.num_micro)]):
+            assert b.keys() == ref.keys() and all(torch.equal(b[k], ref[k]) for k in b)
+        seen.clear()
+        with reads.mode, copies.mode:
+            out = t.train_step()
+        assert not out.skipped
+        assert reads.mode.reads == ["tolist"] and len(copies.mode.syncs) <= 1, (reads.mode.reads, copies.mode.syncs)
+        # step 2 trained on what step 1 read ahead, and read step 3's
+        assert len(seen) == t.num_micro and all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(seen, want))
+        assert t._ahead is not None and len(t._ahead) == t.num_micro
+        t.train_step()
+        assert t.step == 3 and t._ahead is None  # nothing after the last step
+
+
+class _Seen:
+    """An iterator over ``it`` that keeps what it yields."""
+
+    def __init__(self, it, seen: list) -> None:
+        self.it, self.seen = it, seen
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.it)
+        self.seen.append(item)
+        return item
+
+
+class _Outside:
+    """A counting mode of tests/trainer/test_clip.py whose counts made inside ``paused()`` are dropped."""
+
+    def __init__(self, kind) -> None:
+        self.mode = kind()
+
+    @contextlib.contextmanager
+    def paused(self):
+        counts = self.mode.reads if hasattr(self.mode, "reads") else self.mode.syncs
+        n = len(counts)
+        try:
+            yield
+        finally:
+            del counts[n:]
+
+
+def test_the_step_marks_its_host_phases_for_the_profiler(tmp_path, one_process_env):
+    """``bench_train --profile`` splits the GPU's idle time by these ranges: a good step has each, in order,
+    one after the other."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nvfp4_train.bench.profile import PHASE_PREFIX, host_ranges
+
+    with Trainer(_cfg(tmp_path / "p")) as t:
+        t.train_step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t.train_step()
+    ranges = host_ranges(prof, PHASE_PREFIX)
+    assert [r[0][len(PHASE_PREFIX):] for r in ranges] == ["prepare", "forward_backward", "read_ahead",
+                                                          "optimizer_begin", "host_read", "optimizer_finish", "end"]
+    assert all(a[2] <= b[1] for a, b in zip(ranges, ranges[1:]))
