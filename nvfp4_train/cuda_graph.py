@@ -4,8 +4,9 @@ bitwise the eager step.
 What is captured: the forwards and backwards of the step's micro-batches (megatron's forward-backward function,
 its TP collectives and the quantized layers' amax all-reduces included). What stays eager, after each replay:
 the gradient synchronisation (megatron's ``finalize_model_grads``: the DP reduce-scatter / all-reduce, the
-sequence-parallel norm all-reduce), the loss all-reduce and the non-finite decision, the optimizer step (megatron
-reads ``found_inf`` on the host) and the weight-cache drop.
+sequence-parallel norm all-reduce), the loss all-reduce, the optimizer's global norm, the step's one host read (the
+loss and the non-finite and clipping decisions), the optimizer's update and the weight-cache drop; the trainer reads
+the next step's micro-batches while a replay runs (``nvfp4_train.trainer``).
 
 Why the graphed step is bitwise the eager one:
 
