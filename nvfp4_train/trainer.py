@@ -919,7 +919,8 @@ class Trainer:
                 # one host read
                 pending = begin_optimizer_step(self.optimizer, cfg.optim.clip_grad)
         with _phase("host_read"):
-            read = torch.cat([stats, pending.flags]) if pending is not None and pending.flags is not None else stats
+            flags = None if pending is None else pending.flags
+            read = stats if flags is None else torch.cat([stats, flags.to(stats.device)])
             loss, bad_loss, sig, *flags = read.tolist()
         if bad_loss > 0:
             reason = "non-finite loss"

@@ -373,7 +373,7 @@ def test_bench_data_loader(tmp_path):
               "--gap-ms", "0", "--json", str(tmp_path / "loader.json")])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((tmp_path / "loader.json").read_text())
-    assert [(r["case"], r["seq"], r["micro_batch"], r["num_workers"]) for r in rows] == [("small", 2048, 8, 1),
-                                                                                        ("small", 2048, 8, 0)]
+    got = [(r["case"], r["seq"], r["micro_batch"], r["num_workers"]) for r in rows]
+    assert got == [("small", 2048, 8, 1), ("small", 2048, 8, 0)]
     assert all(0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in rows)
     assert "| small | 8 x 2048 | 2 | 1 |" in p.stdout
