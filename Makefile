@@ -56,7 +56,8 @@ bench-linear:
 	$(GPU_PY) scripts/bench_linear.py --profile nvfp4 fp8
 
 # the step of 4 micro-batches under CUDA graphs, fused and unfused (docs/benchmarks.md, "Fused step"); install
-# causal-conv1d first (docs/wheelhouse.md): `small` without it measures the PyTorch fallback of Mamba's conv
+# causal-conv1d first (docs/wheelhouse.md): without it bench_train.py refuses the cases with Mamba layers (their
+# conv would be its PyTorch fallback, about twice the `small` step; --conv-fallback times that deliberately)
 bench-train:
 	$(GPU_PY) scripts/bench_train.py --cases small slice12b 1.2b --recipes bf16 fp8 nvfp4 --grad-accum 4 \
 		--cuda-graph on --fusion off on

@@ -348,3 +348,26 @@ def test_host_ranges_and_device_intervals_from_kineto_events():
 def test_profile_step_on_cpu_has_no_idle_attribution(tmp_path):
     rec = profile.profile_step(lambda: torch.ones(3).sum(), tmp_path / "k.csv")
     assert "idle_by_phase" not in rec and rec["note"] == "no CUDA events"
+
+
+def test_bench_train_refuses_mamba_cases_on_a_gpu_without_causal_conv1d(monkeypatch, capsys):
+    """On a GPU without causal-conv1d the cases with Mamba layers would time the conv's PyTorch fallback (about
+    twice the ``small`` step): refused in one line naming the fix, unless --conv-fallback asks for it; no GPU, or
+    causal-conv1d there: nothing to refuse."""
+    from nvfp4_train.bench import train as bench_train
+    from nvfp4_train.models.mamba import _import
+
+    monkeypatch.setattr(_import, "load_causal_conv1d", lambda: (None, "causal-conv1d is not installed"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_train.conv_fallback_cases(["small", "1.2b"]) == ([], "causal-conv1d is not installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench_train.conv_fallback_cases(["small", "1.2b", "slice12b", "tiny"]) == (
+        ["small", "slice12b", "tiny"], "causal-conv1d is not installed")
+    monkeypatch.setattr("sys.argv", ["bench_train.py", "--cases", "1.2b", "small"])
+    with pytest.raises(SystemExit) as e:
+        bench_train.main()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "--cases small: causal-conv1d is not installed" in err
+    assert "install causal-conv1d's wheel" in err and "--conv-fallback" in err
+    monkeypatch.setattr(_import, "load_causal_conv1d", lambda: (object(), "causal-conv1d 1.7.0 CUDA kernel"))
+    assert bench_train.conv_fallback_cases(["small"]) == ([], "causal-conv1d 1.7.0 CUDA kernel")

@@ -91,6 +91,21 @@ from nvfp4_train.schedule import CUDA_GRAPH_MODES
 H200_BF16_PEAK = 989.4e12
 
 
+def conv_fallback_cases(cases: list[str]) -> tuple[list[str], str]:
+    """The ``cases`` whose model has Mamba layers, and causal-conv1d's state, when a CUDA step of them would run
+    Mamba's depthwise conv through the PyTorch fallback (causal-conv1d not importable: its CUDA kernel is what
+    users run, and the fallback doubles the ``small`` step, docs/benchmarks.md); ``([], state)`` when it would not
+    (no CUDA, or causal-conv1d there)."""
+    from nvfp4_train.models.config import SIZES
+    from nvfp4_train.models.mamba._import import load_causal_conv1d
+    from nvfp4_train.models.pattern import MAMBA
+
+    conv, state = load_causal_conv1d()
+    if conv is not None or not torch.cuda.is_available():
+        return [], state
+    return [c for c in cases if MAMBA in CASES[c][1].get("pattern", SIZES[CASES[c][0]].pattern)], state
+
+
 def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, profile_dir: Path | None = None,
                sync_debug: bool = False, grad_accum: int = 1, nonfinite_check: str = "every_step",
                extra: tuple[str, ...] = ()) -> dict:
@@ -272,6 +287,9 @@ def main() -> int:
                          "by default); several run each case and recipe under "
                          "each in this one process (e.g. --fusion off on: before and after), with a table of the "
                          "fused step against the unfused one")
+    ap.add_argument("--conv-fallback", action="store_true",
+                    help="time cases with Mamba layers on a GPU without causal-conv1d (its PyTorch fallback); by "
+                         "default that is refused: users run causal-conv1d's kernel (docs/wheelhouse.md)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="train.py overrides applied to every case (after the case's own), e.g. "
                          "optim.overlap_grad_reduce=true")
@@ -280,6 +298,11 @@ def main() -> int:
         a.cases, a.warmup, a.iters = ["tiny"], 1, 2
     if a.grad_accum < 1:
         ap.error(f"--grad-accum must be >= 1, got {a.grad_accum}")
+    fallback, conv_state = conv_fallback_cases(a.cases)
+    if fallback and not a.conv_fallback:
+        ap.error(f"--cases {' '.join(fallback)}: {conv_state}, so Mamba's conv would run its PyTorch fallback (about "
+                 f"twice the `small` step): install causal-conv1d's wheel for this GPU (docs/wheelhouse.md), or pass "
+                 f"--conv-fallback to time the fallback")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         work = a.work_dir or Path(tmp)
@@ -300,6 +323,7 @@ def main() -> int:
                         r = dict(case=case, recipe=recipe, error=f"{type(e).__name__}: {e}"[:300])
                     r["cuda_graph"] = mode
                     r["fusion"] = fusion
+                    r["causal_conv1d"] = conv_state
                     rows.append(r)
                     print(json.dumps(r), flush=True)
                     label = case + "".join(f" ({k})" for k in (f"cuda_graph={mode}" if len(a.cuda_graph) > 1 else "",
