@@ -919,8 +919,8 @@ class Trainer:
                 # one host read
                 pending = begin_optimizer_step(self.optimizer, cfg.optim.clip_grad)
         with _phase("host_read"):
-            flags = None if pending is None else pending.flags
-            read = stats if flags is None else torch.cat([stats, flags.to(stats.device)])
+            decisions = None if pending is None else pending.flags
+            read = stats if decisions is None else torch.cat([stats, decisions.to(stats.device)])
             loss, bad_loss, sig, *flags = read.tolist()
         if bad_loss > 0:
             reason = "non-finite loss"

@@ -117,6 +117,20 @@ def case_overrides(case: str, recipe: str, *, grad_accum: int, steps: int, run_d
     return args
 
 
+def case_token_prefix(case: str, work_dir: Path, tokens: int, seq: int) -> str:
+    """``random_token_prefix`` under ``work_dir/tokens`` for ``CASES[case]``: ``tokens`` ids below both the model's
+    and the data tokenizer's vocabularies, in documents of ``seq + 1`` tokens."""
+    from nvfp4_train.config import compose_config
+    from nvfp4_train.data.datasets import load_tokenizer_for
+
+    size, overrides, _, _, _ = CASES[case]
+    cfg0 = compose_config("train", [f"model={size}", *(f"model.{k}={v}" for k, v in overrides.items())])
+    # the trainer checks every token id against the data's tokenizer, whose vocabulary may be smaller than the
+    # model's (1.2b: 131,072 embedding rows, the shipped tokenizer's 32,768 ids)
+    vocab = min(cfg0.model.vocab_size, load_tokenizer_for(cfg0.data).vocab_size)
+    return random_token_prefix(work_dir / "tokens", vocab, tokens, seq + 1)
+
+
 def build_trainer(case: str, recipe: str, *, grad_accum: int, steps: int, work_dir: Path,
                   nonfinite_check: str = "every_step", extra: tuple[str, ...] = (), seq: int | None = None,
                   mb: int | None = None):
@@ -124,17 +138,11 @@ def build_trainer(case: str, recipe: str, *, grad_accum: int, steps: int, work_d
     random tokens below the model's and the tokenizer's vocabularies written under ``work_dir`` (enough for ``steps`` steps), its run
     directory ``work_dir/<case>_<recipe>``. The caller steps it with ``train_step()`` and closes it."""
     from nvfp4_train.config import compose_config
-    from nvfp4_train.data.datasets import load_tokenizer_for
     from nvfp4_train.trainer import Trainer
 
-    size, overrides, case_seq, case_mb, _ = CASES[case]
+    _, _, case_seq, case_mb, _ = CASES[case]
     seq, mb = seq or case_seq, mb or case_mb
-    cfg0 = compose_config("train", [f"model={size}", *(f"model.{k}={v}" for k, v in overrides.items())])
-    tokens = (steps + 2) * grad_accum * mb * (seq + 1)
-    # the trainer checks every token id against the data's tokenizer, whose vocabulary may be smaller than the
-    # model's (1.2b: 131,072 embedding rows, the shipped tokenizer's 32,768 ids)
-    vocab = min(cfg0.model.vocab_size, load_tokenizer_for(cfg0.data).vocab_size)
-    prefix = random_token_prefix(work_dir / "tokens", vocab, tokens, seq + 1)
+    prefix = case_token_prefix(case, work_dir, (steps + 2) * grad_accum * mb * (seq + 1), seq)
     run_dir = work_dir / f"{case}_{recipe}"
     return Trainer(compose_config("train", case_overrides(case, recipe, grad_accum=grad_accum, steps=steps,
                                                           run_dir=run_dir, prefix=prefix,

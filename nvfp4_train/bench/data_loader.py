@@ -4,7 +4,7 @@ process (``data.num_workers=1``, the default) and without one.
 
 The step's micro-batches are what ``Trainer.train_step`` reads; before 9e70a6f it read them at the start of
 every step, with the GPU idle, now during the step before (``docs/training.md``, "Data"). This measures that
-read alone: random token ids written as an indexed dataset (``bench.cases.random_token_prefix``), the trainer's
+read alone: random token ids written as an indexed dataset (``bench.cases.case_token_prefix``), the trainer's
 dataset and ``build_data_loader``; each step's read is timed after the host slept ``--gap-ms`` (the loader's
 worker prefetches meanwhile, as it does during a real step), median of ``--steps``. No GPU, no model.
 
@@ -27,17 +27,16 @@ __all__ = ["read_times", "main"]
 
 
 def _dataset(case: str, work: Path, steps: int, micro: int):
+    """The training dataset a ``bench_train`` trainer of ``case`` reads (its data config, ``case_overrides``),
+    with ``steps`` steps of ``micro`` micro-batches; and the case's sequence length and micro-batch."""
+    from nvfp4_train.bench.cases import case_overrides, case_token_prefix
     from nvfp4_train.config import compose_config
-    from nvfp4_train.data.datasets import build_datasets, load_tokenizer_for
-    from nvfp4_train.bench.cases import random_token_prefix
+    from nvfp4_train.data.datasets import build_datasets
 
-    size, overrides, seq, mb, _ = CASES[case]
-    cfg0 = compose_config("train", [f"model={size}", *(f"model.{k}={v}" for k, v in overrides.items())])
-    vocab = min(cfg0.model.vocab_size, load_tokenizer_for(cfg0.data).vocab_size)
-    prefix = random_token_prefix(work / "tokens", vocab, (steps + 4) * micro * mb * (seq + 1), seq + 1)
-    cfg = compose_config("train", [f"model={size}", f"data.train_prefixes=[{prefix}]",
-                                   f"data.valid_prefixes=[{prefix}]", f"data.seq_length={seq}",
-                                   f"data.cache_dir={work / 'idx' / case}"])
+    _, _, seq, mb, _ = CASES[case]
+    prefix = case_token_prefix(case, work, (steps + 4) * micro * mb * (seq + 1), seq)
+    cfg = compose_config("train", case_overrides(case, "bf16", grad_accum=micro, steps=steps + 2,
+                                                 run_dir=work / case, prefix=prefix))
     train, _ = build_datasets(cfg.data, train_samples=(steps + 2) * micro * mb, valid_samples=0,
                               vocab_size=cfg.model.vocab_size)
     return train, seq, mb

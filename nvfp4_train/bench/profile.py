@@ -66,27 +66,28 @@ def _is_kernel(name: str, activity: str, annotation: bool) -> bool:
     return not name.startswith(("Memcpy", "Memset"))
 
 
-def cuda_kernels(prof: torch.profiler.profile) -> list[tuple[str, float, float]]:
-    """``(name, start_us, end_us)`` of every CUDA kernel in the profile: from the raw Kineto events where this
-    torch has them (torch 2.11 and 2.13 do), else from the FunctionEvents' ``time_range``."""
-    out = []
+def _events(prof: torch.profiler.profile) -> Iterator[tuple]:
+    """``(device_type, name, activity, is_annotation, start_us, end_us)`` of every event in the profile: from the
+    raw Kineto events where this torch has them (torch 2.11 and 2.13 do), else from the FunctionEvents'
+    ``time_range`` (no activity type there unless the event carries one)."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if results is not None and hasattr(results, "events"):
         for e in results.events():
-            if e.device_type() != torch.autograd.DeviceType.CUDA:
-                continue
             activity = str(e.activity_type()) if hasattr(e, "activity_type") else ""
             annotation = bool(e.is_user_annotation()) if hasattr(e, "is_user_annotation") else False
-            if _is_kernel(e.name(), activity, annotation):
-                out.append((e.name(), e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
-        return out
+            yield (e.device_type(), e.name(), activity, annotation, e.start_ns() / 1e3,
+                   (e.start_ns() + e.duration_ns()) / 1e3)
+        return
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
         activity = str(getattr(e, "activity_type", "") or "")
-        if _is_kernel(e.name, activity, bool(getattr(e, "is_user_annotation", False))):
-            out.append((e.name, e.time_range.start, e.time_range.end))
-    return out
+        yield (e.device_type, e.name, activity, bool(getattr(e, "is_user_annotation", False)), e.time_range.start,
+               e.time_range.end)
+
+
+def cuda_kernels(prof: torch.profiler.profile) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of every CUDA kernel in the profile (:func:`_events`)."""
+    return [(name, start, end) for dev, name, activity, annotation, start, end in _events(prof)
+            if dev == torch.autograd.DeviceType.CUDA and _is_kernel(name, activity, annotation)]
 
 
 # CPU-side CUDA runtime/driver calls that block or may block the host (re.match on the event name; a
@@ -151,38 +152,15 @@ OUTSIDE = "(outside the step's phases)"
 
 def host_ranges(prof: torch.profiler.profile, prefix: str) -> list[tuple[str, float, float]]:
     """``(name, start_us, end_us)`` of the host-side ``record_function`` ranges whose name starts with
-    ``prefix`` (CPU user annotations; Kineto events where this torch has them, else FunctionEvents)."""
-    out = []
-    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is not None and hasattr(results, "events"):
-        for e in results.events():
-            if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith(prefix):
-                out.append((e.name(), e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
-        return sorted(out, key=lambda r: r[1])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(prefix):
-            out.append((e.name, e.time_range.start, e.time_range.end))
-    return sorted(out, key=lambda r: r[1])
+    ``prefix`` (CPU events of :func:`_events`), in order of their start."""
+    return sorted(((name, start, end) for dev, name, _, _, start, end in _events(prof)
+                   if dev == torch.autograd.DeviceType.CPU and name.startswith(prefix)), key=lambda r: r[1])
 
 
 def device_intervals(prof: torch.profiler.profile) -> list[tuple[float, float]]:
     """``(start_us, end_us)`` of everything the GPU ran: kernels, memcpys and memsets (not annotations)."""
-    out = []
-    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is not None and hasattr(results, "events"):
-        for e in results.events():
-            if e.device_type() != torch.autograd.DeviceType.CUDA:
-                continue
-            if hasattr(e, "is_user_annotation") and e.is_user_annotation():
-                continue
-            if "annotation" in (str(e.activity_type()) if hasattr(e, "activity_type") else ""):
-                continue
-            out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
-        return out
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
-            out.append((e.time_range.start, e.time_range.end))
-    return out
+    return [(start, end) for dev, _, activity, annotation, start, end in _events(prof)
+            if dev == torch.autograd.DeviceType.CUDA and not annotation and "annotation" not in activity]
 
 
 def idle_gaps(window: tuple[float, float], busy: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -208,16 +186,14 @@ def idle_by_phase(window: tuple[float, float], busy: Iterable[tuple[float, float
     running meanwhile: each idle stretch counts for the ``phases`` range (``(name, start, end)``, not
     overlapping; the name less ``prefix``) it overlaps, the rest for :data:`OUTSIDE`. Phases in order of first
     appearance, OUTSIDE last; the values sum to the window's idle time."""
-    out: dict[str, float] = {}
-    for name, _, _ in phases:
-        out.setdefault(name[len(prefix):] if name.startswith(prefix) else name, 0.0)
-    out[OUTSIDE] = 0.0
+    phases = [(name.removeprefix(prefix), start, end) for name, start, end in phases]
+    out: dict[str, float] = dict.fromkeys([name for name, _, _ in phases] + [OUTSIDE], 0.0)
     for a, b in idle_gaps(window, busy):
         covered = 0.0
         for name, start, end in phases:
             overlap = min(b, end) - max(a, start)
             if overlap > 0:
-                out[name[len(prefix):] if name.startswith(prefix) else name] += overlap
+                out[name] += overlap
                 covered += overlap
         out[OUTSIDE] += (b - a) - covered
     return out
