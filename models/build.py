@@ -65,7 +65,7 @@ def transformer_config(
     with our kernels installed behind them; None: none (megatron's unfused paths, e.g. for a model trained without
     megatron's DDP, whose gradient buffers the fused weight gradient needs)."""
     fusion = fusion if fusion is not None else FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=False,
-                                                             mamba=False, residual_norm=False)
+                                                             mamba=False)
     if fusion.wgrad_accumulation:
         install_wgrad_accumulation()
     if fusion.rope and model_cfg.position_embedding == "rope":
@@ -137,9 +137,8 @@ def build_model(
 
     ``layer_map`` must be resolved for ``model_cfg.pattern``; ``seed`` seeds the stochastic-rounding streams of
     the quantized layers (weights are initialised from the RNG state at call time, as megatron does). ``fusion``:
-    the fusions the model builds in (``fusion.mamba``: the Mamba mixers' fused op; ``fusion.residual_norm``: each
-    residual add fused into the next norm, ``HybridStack``; the others are ``config``'s megatron switches, see
-    :func:`transformer_config`); None: none.
+    the fusions the model builds in (``fusion.mamba``: the Mamba mixers' fused op; the others are ``config``'s
+    megatron switches, see :func:`transformer_config`); None: none.
     """
     if layer_map.num_blocks != model_cfg.num_layers:
         raise ValueError(f"layer precision map covers {layer_map.num_blocks} blocks, model has {model_cfg.num_layers}")
@@ -147,8 +146,7 @@ def build_model(
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pattern = stage_pattern(model_cfg, config.pipeline_model_parallel_size)
     stack = ModuleSpec(module=HybridStack, params=dict(model_cfg=model_cfg, layer_map=layer_map, pattern=pattern,
-                                                       seed=seed, fused_mamba=bool(fusion and fusion.mamba),
-                                                       fused_residual_norm=bool(fusion and fusion.residual_norm)))
+                                                       seed=seed, fused_mamba=bool(fusion and fusion.mamba)))
     model = HybridModel(
         config=config,
         mamba_stack_spec=stack,

@@ -19,11 +19,6 @@ field                       megatron-core's switch              what runs instea
                                                                 autograd op of mamba-ssm's and causal-conv1d's
                                                                 kernels in megatron's sequence-first layout
                                                                 (CUDA; ``models/mamba/ops.py``)
-``residual_norm``           --                                  each block's residual add and the next
-                                                                block's (or the final) RMSNorm as one kernel
-                                                                per direction (``HybridStack``,
-                                                                ``kernels/fused/residual_norm.py``); the sum
-                                                                bitwise, the norm within a derived bound
 ==========================  ==================================  ============================================
 
 ``docs/numerics.md`` ("Fused step") states each fusion's arithmetic against the unfused path.
@@ -38,9 +33,8 @@ __all__ = ["FusionConfig"]
 
 @dataclass(kw_only=True)
 class FusionConfig:
-    """Fused kernels of the training step (the ``fusion`` section). Each is on by default but
-    ``residual_norm`` (not yet measured on a GPU); ``false`` runs the unfused reference arithmetic (for numerics
-    comparisons and benchmarks)."""
+    """Fused kernels of the training step (the ``fusion`` section). Each is on by default; ``false`` runs the
+    unfused reference arithmetic (for numerics comparisons and benchmarks)."""
 
     rope: bool = True
     """Rotary embedding in one kernel per direction (bitwise the unfused arithmetic)."""
@@ -50,8 +44,3 @@ class FusionConfig:
     """Weight-gradient GEMMs accumulate into the fp32 ``main_grad`` (no bf16 weight gradient, no extra add)."""
     mamba: bool = True
     """Mamba-2's conv + scan + gated norm as one op of mamba-ssm's and causal-conv1d's kernels (CUDA)."""
-    residual_norm: bool = False
-    """Each block's residual add fused into the next RMSNorm: one kernel reads (residual, delta) and writes
-    (sum, normed); backward one kernel for the sum's gradient and the weight-gradient partials. Off by default
-    until a GPU step measures it faster than the unfused add and ``F.rms_norm`` (``docs/benchmarks.md``, "Fused
-    step"): tested bitwise against its reference on CPU and under the Triton interpreter only."""

@@ -5,11 +5,9 @@ with its ``mamba_stack_spec`` slot filled by :class:`HybridStack`, our stack of 
 stage. Each block is built from a ``ModuleSpec``:
 
 ==========  =========================================================================================
-``*``        megatron's ``TransformerLayer`` (:class:`HybridTransformerLayer`) with ``input_layernorm`` +
-             ``SelfAttention`` (causal; its core attention through PyTorch SDPA, :mod:`nvfp4_train.models.attention`)
-             and no MLP
-``-``        megatron's ``TransformerLayer`` (:class:`HybridTransformerLayer`) with ``pre_mlp_layernorm`` + ``MLP``
-             and no attention
+``*``        megatron's ``TransformerLayer`` with ``input_layernorm`` + ``SelfAttention`` (causal; its
+             core attention through PyTorch SDPA, :mod:`nvfp4_train.models.attention`) and no MLP
+``-``        megatron's ``TransformerLayer`` with ``pre_mlp_layernorm`` + ``MLP`` and no attention
 ``M``        our :class:`nvfp4_train.models.mamba.mixer.MambaLayer` (RMSNorm + Mamba-2 mixer)
 ==========  =========================================================================================
 
@@ -18,15 +16,6 @@ Every linear slot (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2
 for its GLOBAL block index and role baked into the spec before anything is built. Layer names, and so
 checkpoint keys, are megatron's (``decoder.layers.<global block>.self_attention.linear_qkv.weight``, ...);
 they never encode precision, so precision can change at resume.
-
-The residual stream (``fusion.residual_norm``). Unfused, every block computes ``h + f(norm(h))`` (megatron's
-bias-dropout-add with no bias and dropout 0 ends a ``TransformerLayer``). Fused, the stack carries the pair
-``(h, delta)`` from block to block instead of ``h + delta``: block i + 1 starts with ONE op that adds block i's
-``delta`` and normalises the sum (:func:`nvfp4_train.models.layers.residual_add_norm`, through the block's own norm
-module and weight), and returns its own ``(h, delta)``; the final norm adds the last ``delta``. A block's
-``forward(..., delta=, fuse_residual=True)`` is that form (:class:`HybridTransformerLayer`, ``MambaLayer``).
-Parameters and checkpoint keys are the same either way; the output of a pipeline stage without the final norm is
-the materialised ``h + delta``, as unfused.
 """
 
 from __future__ import annotations
@@ -52,12 +41,12 @@ from nvfp4_train.kernels.sr_key import ROLE_SLOTS, block_seed
 from nvfp4_train.mcore_compat.rope import rotary_follows_model
 from nvfp4_train.models.config import ModelConfig
 from nvfp4_train.models.attention import SDPAttention
-from nvfp4_train.models.layers import RMSNorm, linear_spec, residual_add_norm
+from nvfp4_train.models.layers import RMSNorm, linear_spec
 from nvfp4_train.models.mamba.mixer import MambaLayer, MambaLayerSubmodules, MambaMixer, MambaMixerSubmodules
 from nvfp4_train.models.pattern import ATTENTION, MAMBA, MLP as MLP_KIND, HybridPattern
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
-__all__ = ["block_spec", "HybridTransformerLayer", "HybridStack", "HybridModel"]
+__all__ = ["block_spec", "HybridStack", "HybridModel"]
 
 
 def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPrecisionMap, seed: int = 0,
@@ -82,12 +71,12 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
                 k_layernorm=IdentityOp,
             ),
         )
-        return ModuleSpec(module=HybridTransformerLayer, submodules=TransformerLayerSubmodules(
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add))
     if kind == MLP_KIND:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=lin("column", "mlp.fc1"), linear_fc2=lin("row", "mlp.fc2")))
-        return ModuleSpec(module=HybridTransformerLayer, submodules=TransformerLayerSubmodules(
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
     if kind == MAMBA:
         mixer = ModuleSpec(
@@ -105,44 +94,11 @@ def block_spec(kind: str, block: int, model_cfg: ModelConfig, layer_map: LayerPr
     raise ValueError(f"unknown block kind {kind!r}")
 
 
-def _with_bias(output_with_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    """A megatron ``(output, bias)`` pair as the tensor bias-dropout-add adds to the residual (dropout 0)."""
-    out, bias = output_with_bias
-    return out if bias is None else out + bias
-
-
-class HybridTransformerLayer(TransformerLayer):
-    """megatron-core's ``TransformerLayer``; called with ``fuse_residual=True`` it runs the fused residual stream
-    (module docstring): its input is ``hidden_states + delta`` (delta None: nothing pending), each of its
-    sublayers (attention, MLP: whichever it has) starts with the residual add fused into its norm, and it returns
-    ``(h, delta)`` with its last add left pending. That form covers the layers this model builds (no dropout, no
-    recompute, no cross-attention, no inference context); otherwise megatron's own ``forward`` runs."""
-
-    def forward(self, *args, delta: torch.Tensor | None = None, fuse_residual: bool = False, **kwargs):
-        if not fuse_residual:
-            return super().forward(*args, **kwargs)
-        return self._forward_fused_residual(delta=delta, **kwargs)
-
-    def _forward_fused_residual(self, hidden_states: torch.Tensor, delta: torch.Tensor | None, attention_mask=None,
-                                rotary_pos_emb=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        residual = hidden_states
-        if not isinstance(self.self_attention, IdentityOp):
-            residual, normed = residual_add_norm(self.input_layernorm, residual, delta)
-            delta = _with_bias(self.self_attention(normed, attention_mask=attention_mask,
-                                                   rotary_pos_emb=rotary_pos_emb))
-        if not isinstance(self.mlp, IdentityOp):
-            residual, normed = residual_add_norm(self.pre_mlp_layernorm, residual, delta)
-            delta = _with_bias(self.mlp(normed))
-        return residual, delta
-
-
 class HybridStack(MegatronModule):
     """The blocks of one pipeline stage (+ the final norm on the last stage), ``[s, b, h] -> [s, b, h]``.
 
     Built by megatron's ``MambaModel`` through its ``mamba_stack_spec`` slot (it passes ``pre_process``,
     ``post_process``, ``pg_collection`` and its hybrid-ratio arguments, which our explicit pattern replaces).
-    ``fused_residual_norm``: each residual add fused into the next norm (``fusion.residual_norm``, module
-    docstring); an attribute read at every forward.
     """
 
     def __init__(
@@ -154,7 +110,6 @@ class HybridStack(MegatronModule):
         pattern: HybridPattern,
         seed: int = 0,
         fused_mamba: bool = False,
-        fused_residual_norm: bool = False,
         pre_process: bool = True,
         post_process: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
@@ -163,11 +118,7 @@ class HybridStack(MegatronModule):
         super().__init__(config)
         if pg_collection is None:
             raise ValueError("HybridStack needs pg_collection (process groups are passed explicitly)")
-        if fused_residual_norm and config.hidden_dropout != 0.0:
-            raise ValueError(f"fusion.residual_norm adds each block's output without dropout; hidden_dropout is "
-                             f"{config.hidden_dropout}: set it to 0 or fusion.residual_norm=false")
         self.pre_process, self.post_process = pre_process, post_process
-        self.fused_residual_norm = fused_residual_norm
         stage = pg_collection.pp.rank()
         if pattern.num_stages != pg_collection.pp.size():
             raise ValueError(f"pattern {pattern.text!r} has {pattern.num_stages} stages, pipeline size is "
@@ -188,29 +139,12 @@ class HybridStack(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **_unused) -> torch.Tensor:
         if not self.pre_process:
             hidden_states = self.input_tensor
-        if self.fused_residual_norm:
-            return self._forward_fused_residual(hidden_states, attention_mask, rotary_pos_emb)
         for layer in self.layers:
             out = layer(hidden_states=hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
             hidden_states = out[0] if isinstance(out, tuple) else out
         if self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)
         return hidden_states
-
-    def _forward_fused_residual(self, hidden_states, attention_mask, rotary_pos_emb) -> torch.Tensor:
-        """The blocks on the pair ``(h, delta)`` (module docstring): the final norm adds the last delta; a stage
-        without it returns the materialised ``h + delta`` (what the next pipeline stage receives). A stage after
-        the first starts with ``delta = -0.0``: adding it is exact for every value (also for both zeros), so its
-        first norm is the fused op's arithmetic, as at that boundary inside one stage (pipeline layouts bitwise)."""
-        residual, delta = hidden_states, None
-        if not self.pre_process:
-            delta = torch.full_like(hidden_states, -0.0)
-        for layer in self.layers:
-            residual, delta = layer(hidden_states=residual, attention_mask=attention_mask,
-                                    rotary_pos_emb=rotary_pos_emb, delta=delta, fuse_residual=True)
-        if self.final_norm is not None:
-            return residual_add_norm(self.final_norm, residual, delta)[1]
-        return residual if delta is None else residual + delta
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Checkpoint keys with GLOBAL block indices (``layers.<global>.``), so pipeline layouts reshard."""

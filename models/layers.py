@@ -3,9 +3,7 @@
 - :class:`RMSNorm`: megatron's torch-norm wrapper refuses sequence parallelism; this one supports it the way
   megatron expects: under SP each rank normalises its own sequence shard (the norm is per token), and the
   weight carries ``sequence_parallel=True`` so that megatron's gradient finalisation all-reduces its
-  gradient over the tensor-parallel group (each rank saw only part of the tokens). Given the previous block's
-  pending residual add as well (``fusion.residual_norm``), it adds and normalises in one op
-  (:func:`residual_add_norm`).
+  gradient over the tensor-parallel group (each rank saw only part of the tokens).
 - :func:`linear_spec`: the ``ModuleSpec`` of one quantized linear slot, with the recipe the layer precision
   map resolved for (global block, role) baked into its params (quantization is a transform of the config
   tree before the model is built; no module surgery afterwards).
@@ -17,9 +15,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from nvfp4_train.kernels.fused.residual_norm import residual_norm
-
-__all__ = ["RMSNorm", "linear_spec", "param_device", "residual_add_norm"]
+__all__ = ["RMSNorm", "linear_spec", "param_device"]
 
 
 def param_device(config: TransformerConfig):
@@ -61,13 +57,8 @@ class RMSNorm(torch.nn.Module):
         # megatron all-reduces the grads of params marked so over TP when sequence parallelism is on
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None):
-        """The norm of ``x``; with ``delta`` (the previous block's output not yet added, ``fusion.residual_norm``)
-        the pair ``(x + delta, norm(x + delta))`` of one fused op (``kernels/fused/residual_norm.py``; on CPU
-        its reference)."""
-        if delta is None:
-            return rms_norm(x, self.weight, self.eps)
-        return residual_norm(x, delta, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -86,13 +77,3 @@ def linear_spec(kind: str, recipe, layer_name: str, seed: int, *, block: int | N
     cls = {"column": QuantColumnParallelLinear, "row": QuantRowParallelLinear}[kind]
     return ModuleSpec(module=cls, params={"recipe": recipe, "layer_name": layer_name, "seed": seed, "block": block,
                                         "role": role})
-
-
-def residual_add_norm(norm: RMSNorm, residual: torch.Tensor,
-                      delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h, norm(h))`` for the residual stream ``h = residual + delta`` (``delta`` None: ``h = residual``, nothing
-    to add): how a block of the fused residual stream (``fusion.residual_norm``) starts. Called through the norm
-    module, so its hooks (megatron's parameter all-gather waits) run as for the unfused norm."""
-    if delta is None:
-        return residual, norm(residual)
-    return norm(residual, delta)

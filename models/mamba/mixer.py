@@ -71,7 +71,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from nvfp4_train.models.layers import param_device, residual_add_norm
+from nvfp4_train.models.layers import param_device
 from nvfp4_train.models.mamba.ops import (
     init_A_log,
     init_D,
@@ -269,15 +269,7 @@ class MambaLayer(MegatronModule):
         self.mixer = build_module(submodules.mixer, config=config, d_model=config.hidden_size,
                                   layer_number=layer_number, pg_collection=pg_collection)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, delta: torch.Tensor | None = None,
-                fuse_residual: bool = False, **_unused):
-        """``x + mixer(RMSNorm(x))``. With ``fuse_residual`` (``fusion.residual_norm``, ``HybridStack``): the block's
-        input is ``hidden_states + delta`` (the previous block's add, fused into this norm; delta None: nothing
-        pending) and it returns ``(h, out)``, its output ``h + out`` left for the next norm to add."""
-        if fuse_residual:
-            residual, normed = residual_add_norm(self.norm, hidden_states, delta)
-            out, bias = self.mixer(normed)
-            return residual, out if bias is None else out + bias
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_unused) -> torch.Tensor:
         out, bias = self.mixer(self.norm(hidden_states))
         if bias is not None:
             out = out + bias

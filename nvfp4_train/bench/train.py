@@ -218,21 +218,19 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
     return res
 
 
-FUSION_MODES = ("on", "off", "all")
+FUSION_MODES = ("on", "off")
 
 
 def fusion_overrides(mode: str) -> tuple[str, ...]:
     """The ``train.py`` overrides of ``--fusion`` mode ``mode``: ``on`` is the default config (none), ``off`` every
-    switch of the ``fusion`` section false, ``all`` every switch true (the default config plus the fusions that are
-    off by default: ``--fusion on all`` times exactly those)."""
+    switch of the ``fusion`` section false."""
     if mode == "on":
         return ()
     if mode not in FUSION_MODES:
         raise ValueError(f"--fusion {mode!r}: one of {', '.join(FUSION_MODES)}")
     from nvfp4_train.models.fusion import FusionConfig
 
-    value = "true" if mode == "all" else "false"
-    return tuple(f"fusion.{f.name}={value}" for f in dataclasses.fields(FusionConfig))
+    return tuple(f"fusion.{f.name}=false" for f in dataclasses.fields(FusionConfig))
 
 
 def print_fusion_table(rows: list[dict]) -> None:
@@ -282,9 +280,8 @@ def main() -> int:
                          "every word up to the next option: put trailing KEY=VALUE overrides after another option "
                          "or after --")
     ap.add_argument("--fusion", nargs="+", default=["on"], choices=FUSION_MODES, metavar="MODE",
-                    help="the fused step kernels (the fusion config section): on (the default config), off (every "
-                         "fusion.* switch false: the unfused arithmetic) or all (every switch true, also those off "
-                         "by default); several run each case and recipe under "
+                    help="the fused step kernels (the fusion config section): on (the default config) or off (every "
+                         "fusion.* switch false: the unfused arithmetic); several run each case and recipe under "
                          "each in this one process (e.g. --fusion off on: before and after), with a table of the "
                          "fused step against the unfused one")
     ap.add_argument("--conv-fallback", action="store_true",

@@ -16,11 +16,10 @@ def test_fusion_modes_set_every_switch(mode):
     cfg = compose_config("train", ["model=tiny", *fusion_overrides(mode)])
     got = dataclasses.asdict(cfg.fusion)
     want = {"on": dataclasses.asdict(FusionConfig()),
-            "off": {f.name: False for f in dataclasses.fields(FusionConfig)},
-            "all": {f.name: True for f in dataclasses.fields(FusionConfig)}}[mode]
+            "off": {f.name: False for f in dataclasses.fields(FusionConfig)}}[mode]
     assert got == want
 
 
 def test_unknown_fusion_mode_is_refused():
-    with pytest.raises(ValueError, match="--fusion 'half': one of on, off, all"):
+    with pytest.raises(ValueError, match="--fusion 'half': one of on, off"):
         fusion_overrides("half")

@@ -3,7 +3,6 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/models/dist_model_equivalence.py \
         --layout tp|tp_sp|pp[,...] --recipe bf16|nvfp4 --dtype fp32|bf16 --out DIR [--model tiny|small|...]
-        [--fusion residual_norm]
 
 With CUDA it runs on one GPU per rank over NCCL (the multi-GPU check of issue 8), else on CPU over gloo.
 Several comma-separated layouts are each compared with the one reference (``losses_<layout>.pt``).
@@ -16,8 +15,7 @@ Several comma-separated layouts are each compared with the one reference (``loss
    same. Rank 0 writes both runs' per-token losses (before and after the step) to ``--out``.
 
 Equal losses after the SGD step mean equal gradients for every parameter (a wrong gradient shard or a
-missing TP reduction changes the updated weights and so the second loss). ``--fusion residual_norm``: the reference
-and every layout with ``fusion.residual_norm`` (the residual stream carried as ``(h, delta)``), else no fusion.
+missing TP reduction changes the updated weights and so the second loss).
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ def run_layout(args, tp: int, pp: int, sp: bool, ckpt: Path, save: bool) -> tupl
 
     from nvfp4_train.models.build import build_model, transformer_config
     from nvfp4_train.models.config import model_config
-    from nvfp4_train.models.fusion import FusionConfig
     from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -51,11 +48,9 @@ def run_layout(args, tp: int, pp: int, sp: bool, ckpt: Path, save: bool) -> tupl
     mc = model_config(args.model).replace(vocab_size=args.vocab)
     lm = LayerPrecisionMap(mc.pattern, args.recipe, keep_first=0, keep_last=0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    fusion = None if args.fusion == "none" else FusionConfig(
-        rope=False, cross_entropy=False, wgrad_accumulation=False, mamba=False, residual_norm=True)
-    cfg = transformer_config(mc, tp=tp, pp=pp, sequence_parallel=sp, params_dtype=dtype, fusion=fusion)
+    cfg = transformer_config(mc, tp=tp, pp=pp, sequence_parallel=sp, params_dtype=dtype)
     model = build_model(mc, lm, config=cfg, pre_process=ps.is_pipeline_first_stage(),
-                        post_process=ps.is_pipeline_last_stage(), seq_length=args.seq, seed=7, fusion=fusion)
+                        post_process=ps.is_pipeline_last_stage(), seq_length=args.seq, seed=7)
     if save:
         dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
     else:
@@ -109,7 +104,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--fusion", choices=("none", "residual_norm"), default="none")
     args = ap.parse_args()
     layouts = args.layout.split(",")
     shapes = {"tp": (2, 1, False), "tp_sp": (2, 1, True), "pp": (1, 2, False)}
