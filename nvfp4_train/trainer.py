@@ -373,6 +373,15 @@ class _RunDirLock:
             self.fd = None
 
 
+def precision_with_new_defaults(saved: dict, now: dict) -> dict:
+    """A checkpoint's ``precision`` section with the fields this run has and it lacks set to their defaults: a
+    field added to ``PrecisionConfig`` after the checkpoint was written defaults to the behaviour it was trained
+    with, so a resume does not report it as a precision change."""
+    from nvfp4_train.config.precision import PrecisionConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(PrecisionConfig) if f.default is not dataclasses.MISSING}
+    return {**{k: defaults[k] for k in now if k in defaults and k not in saved}, **saved}
+
 class Trainer:
     """A training run, built from its config and driven step by step.
 
@@ -639,6 +648,8 @@ class Trainer:
         saved_yaml = path / "config.yaml"
         saved_prec = (yaml.safe_load(saved_yaml.read_text()) or {}).get("precision") if saved_yaml.is_file() else None
         now_prec = yaml.safe_load(self.config_yaml).get("precision")
+        if saved_prec is not None:
+            saved_prec = precision_with_new_defaults(saved_prec, now_prec)
         if saved_prec is not None and saved_prec != now_prec:
             text = (f"the precision differs from checkpoint {path}'s (recipe {saved_prec.get('recipe')!r} -> "
                     f"{now_prec.get('recipe')!r}); the layers run this run's precision from here on")

@@ -248,10 +248,13 @@ class LayerPrecisionMap:
         rules: Sequence[PrecisionRule] = (),
         switch: PrecisionSwitch | None = None,
         gemm_engine: str | None = None,
+        direct_dequant: bool | None = None,
     ) -> None:
         """``pattern``: the hybrid pattern (``|`` allowed, ignored: indices are global); ``recipe``: a named
         recipe, or a custom :class:`QuantRecipe` (then ``keep_first``/``keep_last`` must be given);
-        ``gemm_engine``: the fp4 GEMM engine of every quantized recipe of the map (None: the recipes' own)."""
+        ``gemm_engine``: the fp4 GEMM engine of every quantized recipe of the map (None: the recipes' own);
+        ``direct_dequant``: ``QuantRecipe.direct_dequant`` of every quantized recipe of the map (None: the
+        recipes' own)."""
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern must be a non-empty string, got {pattern!r}")
         blocks = pattern.replace("|", "")
@@ -277,6 +280,10 @@ class LayerPrecisionMap:
         self._registry[base_name] = run_recipe
         if gemm_engine is not None:  # QuantRecipe checks the name
             self._registry = {k: r if r.is_bf16 else r.replace(gemm_engine=gemm_engine)
+                              for k, r in self._registry.items()}
+            run_recipe = self.run_recipe = self._registry[base_name]
+        if direct_dequant is not None:  # QuantRecipe checks the type
+            self._registry = {k: r if r.is_bf16 else r.replace(direct_dequant=direct_dequant)
                               for k, r in self._registry.items()}
             run_recipe = self.run_recipe = self._registry[base_name]
 

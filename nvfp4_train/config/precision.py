@@ -34,8 +34,17 @@ class PrecisionConfig:
     16-bit GEMM), ``native`` (the FP4 tensor cores of sm_100+) or ``auto`` (native where the GPU has it, else
     cublas). Exact up to the fp32 summation order; on CPU (the reference path) the results do not depend on it.
     MXFP4 runs its one Triton GEMM under both Hopper engines."""
+    direct_dequant: bool = False
+    """NVFP4 on the Hopper engines (cublas, triton): the quantize kernel writes the operands that one GEMM reads
+    once (x rowwise for fprop, dy rowwise for dgrad, dy columnwise with RHT for wgrad) as their block-scaled
+    values (bf16 / fp16), which the GEMM's dequantize launch would otherwise write from the packed codes. The same
+    bits; about 1.1 bytes of memory traffic less per element of those operands. x columnwise (saved for
+    backward) and the cached weight stay packed; off on telemetry steps and for the native engine (both read
+    packed codes)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.direct_dequant, bool):
+            raise ValueError(f"precision.direct_dequant={self.direct_dequant!r} must be a bool (true or false)")
         if self.gemm_engine == DEFAULT_GEMM_ENGINE:
             return
         from nvfp4_train.kernels.gemm_engine import GEMM_ENGINES  # only for another engine: the table imports no kernels
@@ -55,4 +64,5 @@ class PrecisionConfig:
             rules=self.rules,
             switch=self.switch,
             gemm_engine=self.gemm_engine,
+            direct_dequant=self.direct_dequant,
         )

@@ -201,3 +201,82 @@ def test_pair_argument_checks():
         dequantize_fp4_blockwise_pair_triton(c, s[:, :1], c, s[:, :1], block=32, scale_format="e8m0",
                                              dtype=torch.float16)
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A given as its values (NVFP4Values: the quantize kernel wrote them): only B is dequantized
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _values_of(q: NVFP4Tensor, dtype: torch.dtype):
+    from nvfp4_train.kernels.nvfp4 import NVFP4Values
+
+    return NVFP4Values(values=dequant_ref(q.codes, q.scales, 16, "e4m3", dtype).to(q.codes.device), amax=q.amax)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("engine", ["cublas", "triton"])
+def test_values_a_operand_is_the_packed_gemm(triton_device, gen, monkeypatch, engine):
+    """The GEMM of an NVFP4Values A (the packed A's dequantized bits, in the engine's dtype) is the packed GEMM's
+    output bit for bit, through the public entry point too, with one dequantize launch (of B) per GEMM; A has a
+    NaN block (its row is NaN). M * K * 2 bytes (37 * 112 * 2 = 8288) is not a multiple of 256: B is placed
+    where the pair buffer puts it modulo 256 bytes (48 elements in), so on CUDA cuBLASLt sees the alignments,
+    and picks the algorithm, of the packed path."""
+    from nvfp4_train.kernels.nvfp4 import nvfp4_gemm, nvfp4_values_dtype
+
+    M, N, K = 37, 48, 16 * 7
+    a = random_operand(gen, M, K)
+    a.scales.view(torch.uint8)[5, 2] = 0x7F
+    a, b = on(a, triton_device), on(random_operand(gen, N, K, block_2d=True), triton_device)
+    dt = nvfp4_values_dtype(engine)
+    av = _values_of(a, dt)
+    _, tb, _ = fp4_gemm._dequant_pair(None, None, b.codes, b.scales, block=16, scale_format="e4m3", dtype=dt,
+                                      a_rows=M)
+    assert tb.shape == (N, K) and tb.is_contiguous() and tb.storage_offset() * 2 == (M * K * 2) % 256
+    pair = _CountLaunches(fp4_gemm._dequant_pair_kernel)
+    monkeypatch.setattr(fp4_gemm, "_dequant_pair_kernel", pair)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = nvfp4_gemm_predequant(a, b, out_dtype, engine=engine)
+        got = nvfp4_gemm_predequant(av, b, out_dtype, engine=engine)
+        assert same_bits(got, want), f"{engine} {out_dtype}"
+        assert got.isnan()[5].all() and not got.isnan()[:5].any()
+        assert same_bits(nvfp4_gemm(av, b, out_dtype, engine=engine), want)
+    assert pair.n == 6
+
+
+@pytest.mark.triton
+def test_values_a_operand_refused_by_the_native_engine(triton_device, gen, monkeypatch):
+    import nvfp4_train.kernels.nvfp4 as nvfp4
+
+    a = on(random_operand(gen, 16, 32), triton_device)
+    b = on(random_operand(gen, 16, 32), triton_device)
+    monkeypatch.setattr(nvfp4, "resolve_gemm_engine", lambda e, d: "native")
+    with pytest.raises(ValueError, match="native engine reads packed codes"):
+        nvfp4.nvfp4_gemm(_values_of(a, torch.bfloat16), b, engine="native")
+
+
+def test_values_a_operand_reference_and_checks(gen):
+    """The reference GEMM of an NVFP4Values A is the packed A's (on CPU, where the public entry point runs it); B
+    must be packed; A's values must be in the engine's dtype; values and codes are exclusive."""
+    from nvfp4_train.kernels.nvfp4 import NVFP4Values, nvfp4_gemm, nvfp4_gemm_ref
+    from nvfp4_train.kernels.nvfp4.reference import values_nvfp4
+
+    a, b = random_operand(gen, 33, 48), random_operand(gen, 32, 48, block_2d=True)
+    a.scales.view(torch.uint8)[3, 1] = 0x7F
+    for dt in (torch.bfloat16, torch.float16):
+        av = values_nvfp4(a, dt)
+        assert av.shape == (33, 48) and av.values.dtype == dt and av.nbytes() == 33 * 48 * 2 + 4
+        for out_dtype in (torch.float32, torch.bfloat16):
+            want = nvfp4_gemm_ref(a, b, out_dtype)
+            assert same_bits(nvfp4_gemm_ref(av, b, out_dtype), want)
+            if not fp4_gemm.interpret_mode():
+                assert same_bits(nvfp4_gemm(av, b, out_dtype), want)
+    with pytest.raises(TypeError, match="B must be packed"):
+        nvfp4_gemm(a, values_nvfp4(b))
+    with pytest.raises(TypeError, match="A's values are torch.bfloat16 but engine 'triton' reads torch.float16"):
+        nvfp4_gemm_predequant(values_nvfp4(a, torch.bfloat16), b, engine="triton")
+    with pytest.raises(ValueError, match="values or as codes and scales, not both"):
+        fp4_gemm.predequant_fp4_gemm(a.codes, a.scales, b.codes, b.scales, block=16, scale_format="e4m3",
+                                     alpha=None, out_dtype=torch.float32, dot_dtype=None,
+                                     a_values=values_nvfp4(a).values)
+    assert isinstance(values_nvfp4(a), NVFP4Values)

@@ -171,3 +171,134 @@ def test_whole_tiles(triton_device, gen):
         block_2d = kw.get("block_2d", False)
         assert_same(NVFP4Tensor(rc, rs.view(torch.float8_e4m3fn), am[0], block_2d), ref_row)
         assert_same(NVFP4Tensor(cc, cs.view(torch.float8_e4m3fn), am[1], block_2d), ref_col)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# copies written as values (row_values / col_values): the bits the GEMM's dequantize launch writes
+# ----------------------------------------------------------------------------------------------------------
+
+VALUE_MODES = ROWCOL_MODES + [
+    dict(),  # the columnwise copy without RHT (x^T's own values)
+    dict(col_rht=True, row_stochastic=True, row_seed=11),  # dgrad's dy (SR) with an RNE columnwise copy
+]
+# the three copies that come as values in a layer: x rowwise (RNE) with its RHT column copy, dy rowwise and
+# columnwise (SR, RHT); and 2-D tiles
+EDGE_VALUE_MODES = [VALUE_MODES[0], VALUE_MODES[1], VALUE_MODES[2]]
+_BITS16 = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def same_bits16(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Raw 16-bit equality, zero signs included; NaN at the same positions (its payload is the device's)."""
+    got, ref = got.cpu(), ref.cpu()
+    if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(got.isnan(), ref.isnan()):
+        return False
+    keep = ~ref.isnan()
+    return torch.equal(got[keep].view(_BITS16[got.dtype]), ref[keep].view(_BITS16[ref.dtype]))
+
+
+# (values dtype, (row as values, column as values)): each copy in each dtype once, each copy once beside the other
+# one packed (three launches a case keep the interpreter's time down)
+VALUE_LAUNCHES = [(torch.bfloat16, (True, False)), (torch.bfloat16, (False, True)), (torch.float16, (True, True))]
+
+
+def check_values(x: torch.Tensor, device: str, kw: dict) -> None:
+    """The kernel's values equal the reference's, the pair dequantize kernel's output from the packed copy (what
+    the GEMM reads without values) and that copy's blockwise values, bit for bit; the amax is the packed copy's;
+    a copy not asked for is the packed copy."""
+    from nvfp4_train.kernels.fp4_gemm import dequantize_fp4_blockwise_pair_triton
+    from nvfp4_train.kernels.nvfp4 import NVFP4Values
+    from nvfp4_train.kernels.nvfp4.reference import _blockwise_values
+
+    xd = x.to(device)
+    packed = quantize_nvfp4_rowcol(xd, **kw)
+    # the dequantize launch's bits: each packed copy as the A operand of a pair launch
+    deq = {dt: [dequantize_fp4_blockwise_pair_triton(p.codes, p.scales, p.codes[:0], p.scales[:0], block=16,
+                                                     scale_format="e4m3", dtype=dt)[0] for p in packed]
+           for dt in (torch.bfloat16, torch.float16)}
+    for dt, which in VALUE_LAUNCHES:
+        got = quantize_nvfp4_rowcol(xd, row_values=which[0], col_values=which[1], values_dtype=dt, **kw)
+        ref = quantize_nvfp4_rowcol_ref(x, row_values=which[0], col_values=which[1], values_dtype=dt, **kw)
+        for g, r, p, d, want in zip(got, ref, packed, deq[dt], which, strict=True):
+            if not want:
+                assert_same(g, r)
+                continue
+            assert isinstance(g, NVFP4Values) and isinstance(r, NVFP4Values)
+            assert g.values.is_contiguous() and g.block_2d == r.block_2d and not g.swizzled
+            assert same_bits16(g.values, r.values), f"{kw} {dt} {which}: values differ from the reference"
+            assert same_bits16(g.values, d), f"{kw} {dt} {which}: values differ from the dequantize launch's"
+            assert torch.equal(g.values.float().cpu().nan_to_num(7.0), _blockwise_values(p).cpu().nan_to_num(7.0))
+            assert torch.equal(g.amax.cpu(), p.amax.cpu()) or (g.amax.isnan() & p.amax.isnan()).item()
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (48, 80)), (torch.float32, (16, 144))])
+def test_values_random(triton_device, gen, dtype, shape):
+    x = (torch.randn(*shape, generator=gen) * torch.exp(torch.randn(shape[0], 1, generator=gen) * 2)).to(dtype)
+    for kw in VALUE_MODES:
+        check_values(x, triton_device, kw)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: ties_tensor(),
+        lambda g: subnormal_scales_tensor().repeat(2, 1),  # 16 rows: the columnwise copy has blocks of 16
+        lambda g: saturation_tensor(g),
+        lambda g: torch.zeros(32, 64),
+        lambda g: torch.cat([torch.zeros(16, 32), torch.randn(16, 32, generator=g)]),
+        lambda g: outlier_tensor(g, torch.bfloat16),
+        lambda g: (torch.randn(32, 48, generator=g) * 1e-38).bfloat16(),
+        lambda g: torch.randn(32, 48, generator=g) * 3e38,
+        *[lambda g, i=i: nonfinite_tensors(g)[i] for i in range(3)],
+    ],
+    ids=["ties", "subnormal_scales", "saturation", "zeros", "zero_blocks", "outlier_bf16", "subnormal_bf16",
+         "huge", "nan", "inf", "neg_inf"],
+)
+def test_values_edge_inputs(triton_device, gen, make):
+    """Exact ties, subnormal and zero block scales (values down to 2^-10, and +-0 kept), saturation, and the
+    non-finite policy (every value NaN)."""
+    x = make(gen)
+    for kw in EDGE_VALUE_MODES:
+        check_values(x, triton_device, kw)
+    if not torch.isfinite(x).all():
+        r, c = quantize_nvfp4_rowcol(x.to(triton_device), col_rht=True, row_values=True, col_values=True)
+        assert r.values.isnan().all() and c.values.isnan().all()
+
+
+def test_values_whole_tiles_and_given_amax(triton_device, gen):
+    """Whole default tiles (the kernel's unmasked path), rows of very different magnitudes; then the amaxes given
+    as the two elements of one buffer (a tensor-parallel all-reduce's), as cast_pair passes them."""
+    from nvfp4_train.kernels.nvfp4 import nvfp4_amax
+    from nvfp4_train.kernels.nvfp4.quantize import QUANTIZE_CONFIG
+
+    m, k = 2 * QUANTIZE_CONFIG["block_m"], 2 * QUANTIZE_CONFIG["block_k"]
+    x = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen) * 4)).bfloat16()
+    check_values(x, triton_device, VALUE_MODES[0])
+    am = nvfp4_amax(x.to(triton_device), col_rht=True) * 2  # larger than the local amaxes, as another rank's
+    row_am, col_am = am.unbind()
+    check_values(x, triton_device, dict(col_rht=True, row_stochastic=True, col_stochastic=True, row_seed=5,
+                                        col_seed=6, row_amax=row_am, col_amax=col_am))
+
+
+def test_values_non_contiguous_input(triton_device, gen):
+    base = torch.randn(64, 96, generator=gen).bfloat16()
+    for v in (base[:, 16:80], base.t()[16:48]):
+        assert not v.is_contiguous()
+        check_values(v, triton_device, dict(col_rht=True, row_stochastic=True, col_stochastic=True, row_seed=1,
+                                            col_seed=2))
+
+
+def test_values_launcher_empty_and_errors(triton_device):
+    from nvfp4_train.kernels.nvfp4.quantize import quantize_nvfp4_rowcol_triton
+
+    rv, rs, cv, cs, _ = quantize_nvfp4_rowcol_triton(torch.zeros(0, 32, device=triton_device), write_col=True,
+                                                     col_rht=True, row_values=True, col_values=True,
+                                                     values_dtype=torch.float16)
+    assert rv.shape == (0, 32) and cv.shape == (32, 0) and rv.dtype == cv.dtype == torch.float16
+    assert rs is None and cs is None
+    x = torch.randn(32, 32, device=triton_device)
+    with pytest.raises(ValueError, match="no scales"):
+        quantize_nvfp4_rowcol(x, row_values=True, swizzled=True)
+    with pytest.raises(ValueError, match="values_dtype"):
+        quantize_nvfp4_rowcol(x, col_values=True, values_dtype=torch.float32)
+    with pytest.raises(ValueError, match="swizzled"):
+        quantize_nvfp4_rowcol_triton(x, row_values=True, swizzled=True)

@@ -115,9 +115,9 @@ def test_weight_quantized_once_per_step(gen, monkeypatch):
     calls = []
     real = operand_mod.cast_pair
 
-    def spy(t, row, col, seed, amax_group=None, engine="cublas"):
+    def spy(t, row, col, seed, amax_group=None, engine="cublas", **kw):
         calls.append(tuple(t.shape))
-        return real(t, row, col, seed, amax_group, engine)
+        return real(t, row, col, seed, amax_group, engine, **kw)
 
     monkeypatch.setattr("nvfp4_train.precision.linear.cast_pair", spy)
     for _ in range(3):  # three micro-batches, one step
@@ -201,3 +201,87 @@ def test_fp8_pair_is_the_two_casts(gen, recipe, tensor):
         assert g.format == w.format == "fp8_e4m3" and g.data.block == w.data.block
         assert torch.equal(g.data.data.view(torch.uint8), w.data.data.view(torch.uint8))
         assert torch.equal(g.data.scale_inv, w.data.scale_inv)
+
+
+def _fwd_bwd(x, w, dy, recipe, telemetry=None, device="cpu"):
+    """y, dx, dW of one forward and backward with a fresh context (the same SR stream and counter for every
+    recipe)."""
+    xi = x.detach().to(device).requires_grad_()
+    wi = w.detach().to(device).requires_grad_()
+    lctx = LinearContext(recipe, seed=5, telemetry=telemetry)
+    y = quantized_linear(xi, wi, None, lctx)
+    gx, gw = torch.autograd.grad(y, (xi, wi), dy.to(device))
+    return y, gx, gw, lctx
+
+
+def _assert_same_bits(got, want):
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == r.dtype and torch.equal(g.view(torch.int16), r.view(torch.int16))
+
+
+# ids: a bare id "triton" would mark the test a Triton one (tests/conftest.py reads the keywords)
+@pytest.mark.parametrize("engine", ["cublas", "triton"], ids=lambda e: f"engine_{e}")
+def test_direct_dequant_is_the_packed_path_bitwise(gen, monkeypatch, engine):
+    """precision.direct_dequant: the three A operands (x rowwise, dy rowwise, dy columnwise with RHT) reach their
+    GEMMs as NVFP4Values in the engine's dtype, holding the packed operands' blockwise values bit for bit; the B
+    operands and what is saved for backward stay packed; y, dx and dW are the packed path's bits."""
+    from nvfp4_train.kernels.nvfp4 import NVFP4Tensor, NVFP4Values, nvfp4_values_dtype
+    from nvfp4_train.kernels.nvfp4.reference import _blockwise_values
+
+    x, w, dy = _inputs(gen, m=48, k=80, n=32)
+    recipe = named_recipe("nvfp4").replace(gemm_engine=engine)
+    cap_off = _Capture(monkeypatch)
+    *want, lctx_off = _fwd_bwd(x, w, dy, recipe)
+    cap_on = _Capture(monkeypatch)
+    *got, lctx_on = _fwd_bwd(x, w, dy, recipe.replace(direct_dequant=True))
+    _assert_same_bits(got, want)
+    assert lctx_on.saved_bytes == lctx_off.saved_bytes == 48 * 80 // 2 + 48 * 80 // 16 + 4
+    for (a_on, b_on), (a_off, b_off) in zip(cap_on.calls, cap_off.calls, strict=True):
+        assert isinstance(a_on.data, NVFP4Values) and isinstance(a_off.data, NVFP4Tensor)
+        assert a_on.format == "nvfp4" and a_on.data.values.dtype == nvfp4_values_dtype(engine)
+        assert torch.equal(a_on.data.values.float(), _blockwise_values(a_off.data))
+        assert torch.equal(a_on.data.amax, a_off.data.amax)
+        assert isinstance(b_on.data, NVFP4Tensor) and _same_q(b_on.data, b_off.data)
+
+
+def test_direct_dequant_stays_packed_for_telemetry_native_and_other_formats(gen, monkeypatch):
+    """Telemetry reads the packed codes, the native engine multiplies them: on telemetry steps and where the engine
+    resolves to native every operand stays packed (with the same results). MXFP4 and FP8 ignore the switch."""
+    import nvfp4_train.precision.operand as operand
+    from nvfp4_train.kernels.nvfp4 import NVFP4Values
+    from nvfp4_train.precision.telemetry import LayerTelemetry
+
+    x, w, dy = _inputs(gen)
+    nv = named_recipe("nvfp4")
+    want = _fwd_bwd(x, w, dy, nv)[:3]
+    cap = _Capture(monkeypatch)
+    tel = LayerTelemetry()
+    _assert_same_bits(_fwd_bwd(x, w, dy, nv.replace(direct_dequant=True), telemetry=tel)[:3], want)
+    assert not any(isinstance(a.data, NVFP4Values) for a, _ in cap.calls)
+    assert set(tel.stats) >= {"fprop.x", "dgrad.dy", "wgrad.dy_col"}
+    cap.calls.clear()
+    monkeypatch.setattr(operand, "resolve_gemm_engine", lambda e, d: "native")
+    got = _fwd_bwd(x, w, dy, nv.replace(direct_dequant=True, gemm_engine="native"))[:3]
+    assert not any(isinstance(a.data, NVFP4Values) for a, _ in cap.calls)
+    _assert_same_bits(got, want)
+    monkeypatch.undo()
+    x, w, dy = _inputs(gen, m=128, k=128, n=128)  # whole blocks of both formats
+    for name in ("mxfp4", "fp8"):
+        r = named_recipe(name)
+        _assert_same_bits(_fwd_bwd(x, w, dy, r.replace(direct_dequant=True))[:3], _fwd_bwd(x, w, dy, r)[:3])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("engine", ["cublas", "triton"], ids=lambda e: f"engine_{e}")
+def test_direct_dequant_kernels_are_the_packed_path_bitwise(triton_device, gen, monkeypatch, engine):
+    """The same on the kernels: the quantize kernel's values into the GEMM (one dequantize launch each, of B) give
+    the packed path's y, dx and dW bit for bit (on CUDA: the same cuBLASLt algorithm, see fp4_gemm.py)."""
+    from nvfp4_train.kernels.nvfp4 import NVFP4Values
+
+    x, w, dy = _inputs(gen, m=48, k=80, n=32)
+    recipe = named_recipe("nvfp4").replace(gemm_engine=engine)
+    want = _fwd_bwd(x, w, dy, recipe, device=triton_device)[:3]
+    cap = _Capture(monkeypatch)
+    got = _fwd_bwd(x, w, dy, recipe.replace(direct_dequant=True), device=triton_device)[:3]
+    assert [isinstance(a.data, NVFP4Values) for a, _ in cap.calls] == [True] * 3
+    _assert_same_bits(got, want)

@@ -56,6 +56,32 @@ def test_gemm_engine_is_validated_once_with_the_choices():
         compose_config("table", ["precision.gemm_engine=cuBLAS"])
 
 
+def test_direct_dequant_reaches_every_quantized_recipe_and_round_trips():
+    """precision.direct_dequant: off by default; on, every quantized recipe of the map has it (bf16 ones do not
+    quantize), names unchanged; recorded in the run's config.yaml and read back from it; a wrong type is one line
+    naming the key."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_config("table", ["model=12b", "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
+    assert cfg.precision.direct_dequant is False
+    assert not any(r.direct_dequant for r in cfg.precision.layer_map(cfg.model.pattern).recipes.values())
+    cfg = compose_config("table", ["model=12b", "precision.direct_dequant=true",
+                                   "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
+    m = cfg.precision.layer_map(cfg.model.pattern)
+    assert {n: r.direct_dequant for n, r in m.recipes.items()} == {"bf16": False, "nvfp4": True, "mxfp4": True}
+    assert m.run_recipe.name == "nvfp4"
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))  # what the trainer writes as config.yaml
+    assert "direct_dequant: true" in text
+    back = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig),
+                                               OmegaConf.create(text).precision))
+    assert back == cfg.precision and back.direct_dequant is True
+    with pytest.raises(ValueError, match=r"^precision.direct_dequant=1 must be a bool \(true or false\)$"):
+        PrecisionConfig(recipe="nvfp4", direct_dequant=1)
+    with pytest.raises(ValueError, match=r"precision.direct_dequant expects bool") as info:
+        compose_config("table", ["precision.direct_dequant=maybe"])
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("name", PRECISIONS)
 def test_each_precision_config(name):
     cfg = compose_config("table", [f"precision={name}", "model=12b"])
@@ -120,7 +146,8 @@ def test_appended_unknown_key_is_an_error_naming_it():
 
 @pytest.mark.parametrize(
     "override, names",
-    [("model.hidden_size=wide", "model.hidden_size"), ("precision.ablations.rht=maybe", "precision.ablations.rht")],
+    [("model.hidden_size=wide", "model.hidden_size"), ("precision.ablations.rht=maybe", "precision.ablations.rht"),
+     ("precision.direct_dequant=maybe", "precision.direct_dequant")],
 )
 def test_wrong_type_is_an_error_naming_it(override, names):
     with pytest.raises(ValueError) as info:

@@ -118,3 +118,15 @@ def test_hybrid_layers_carry_their_block_role_and_base_recipe():
         for layer in layers.values():
             want = layer.base_recipe.name if layer.base_recipe.is_bf16 else f"{layer.base_recipe.name}+fprop_bf16"
             assert layer.recipe.name == want
+
+
+def test_a_precision_field_added_after_the_checkpoint_is_no_precision_change():
+    from nvfp4_train.trainer import precision_with_new_defaults
+
+    now = {"recipe": "nvfp4", "direct_dequant": False, "keep_first": None}
+    # written before direct_dequant existed: its default is what the checkpoint trained with
+    assert precision_with_new_defaults({"recipe": "nvfp4", "keep_first": None}, now) == now
+    # a value that differs from the default, or a field the checkpoint names, is still a change
+    assert precision_with_new_defaults({"recipe": "nvfp4", "keep_first": None},
+                                       {**now, "direct_dequant": True}) != {**now, "direct_dequant": True}
+    assert precision_with_new_defaults({**now, "direct_dequant": True}, now) != now
