@@ -17,6 +17,7 @@ from tests.kernels.nvfp4_cases import (
     subnormal_scales_tensor,
     ties_tensor,
 )
+from tests.kernels.test_nvfp4_dequant_pair import same_bits
 
 pytestmark = pytest.mark.triton
 
@@ -184,17 +185,6 @@ VALUE_MODES = ROWCOL_MODES + [
 # the three copies that come as values in a layer: x rowwise (RNE) with its RHT column copy, dy rowwise and
 # columnwise (SR, RHT); and 2-D tiles
 EDGE_VALUE_MODES = [VALUE_MODES[0], VALUE_MODES[1], VALUE_MODES[2]]
-_BITS16 = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def same_bits16(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Raw 16-bit equality, zero signs included; NaN at the same positions (its payload is the device's)."""
-    got, ref = got.cpu(), ref.cpu()
-    if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(got.isnan(), ref.isnan()):
-        return False
-    keep = ~ref.isnan()
-    return torch.equal(got[keep].view(_BITS16[got.dtype]), ref[keep].view(_BITS16[ref.dtype]))
-
 
 # (values dtype, (row as values, column as values)): each copy in each dtype once, each copy once beside the other
 # one packed (three launches a case keep the interpreter's time down)
@@ -224,8 +214,8 @@ def check_values(x: torch.Tensor, device: str, kw: dict) -> None:
                 continue
             assert isinstance(g, NVFP4Values) and isinstance(r, NVFP4Values)
             assert g.values.is_contiguous() and g.block_2d == r.block_2d and not g.swizzled
-            assert same_bits16(g.values, r.values), f"{kw} {dt} {which}: values differ from the reference"
-            assert same_bits16(g.values, d), f"{kw} {dt} {which}: values differ from the dequantize launch's"
+            assert same_bits(g.values, r.values), f"{kw} {dt} {which}: values differ from the reference"
+            assert same_bits(g.values, d), f"{kw} {dt} {which}: values differ from the dequantize launch's"
             assert torch.equal(g.values.float().cpu().nan_to_num(7.0), _blockwise_values(p).cpu().nan_to_num(7.0))
             assert torch.equal(g.amax.cpu(), p.amax.cpu()) or (g.amax.isnan() & p.amax.isnan()).item()
 
