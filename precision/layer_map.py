@@ -278,13 +278,11 @@ class LayerPrecisionMap:
         # Recipes a rule may name; the run's base name resolves to the run's (ablated) recipe.
         self._registry: dict[str, QuantRecipe] = {name: named_recipe(name) for name in recipe_names()}
         self._registry[base_name] = run_recipe
-        if gemm_engine is not None:  # QuantRecipe checks the name
-            self._registry = {k: r if r.is_bf16 else r.replace(gemm_engine=gemm_engine)
-                              for k, r in self._registry.items()}
-            run_recipe = self.run_recipe = self._registry[base_name]
-        if direct_dequant is not None:  # QuantRecipe checks the type
-            self._registry = {k: r if r.is_bf16 else r.replace(direct_dequant=direct_dequant)
-                              for k, r in self._registry.items()}
+        # the map-wide settings of every quantized recipe (QuantRecipe checks the engine's name and the bool)
+        settings = {k: v for k, v in (("gemm_engine", gemm_engine), ("direct_dequant", direct_dequant))
+                    if v is not None}
+        if settings:
+            self._registry = {k: r if r.is_bf16 else r.replace(**settings) for k, r in self._registry.items()}
             run_recipe = self.run_recipe = self._registry[base_name]
 
         # keep counts

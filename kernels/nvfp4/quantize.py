@@ -70,6 +70,7 @@ from nvfp4_train.kernels.fp4_triton import (
 from nvfp4_train.kernels._dispatch import persistent_grid
 from nvfp4_train.kernels.fp4_gemm import _e2m1_f16, _e4m3_f16
 from nvfp4_train.kernels.fp4_layout_triton import scale_buffer, scale_offset
+from nvfp4_train.kernels.nvfp4.reference import check_values_args
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -754,9 +755,7 @@ def quantize_nvfp4_rowcol_triton(
     """
     M, K = x.shape
     dev = x.device
-    if (row_values or col_values) and (swizzled or values_dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"values of a quantized copy are bf16 or fp16 and have no scales to swizzle, got values_dtype="
-                         f"{values_dtype}, swizzled={swizzled}")
+    check_values_args(row_values, col_values, values_dtype, swizzled)
     row_values, col_values = row_values and write_row, col_values and write_col
     is_bf16 = x.dtype == torch.bfloat16
     x = as_kernel_input(x)

@@ -266,14 +266,8 @@ def quantize_nvfp4_ref(
 
 def dequantize_nvfp4_ref(q: NVFP4Tensor | NVFP4Values) -> torch.Tensor:
     """``q * fp32(sdec_b) * (amax / (6*448))`` as float32 [M, K] (of an ``NVFP4Values``: its values times the
-    tensor scale, the same bits)."""
-    if isinstance(q, NVFP4Values):
-        return q.values.to(torch.float32) * decode_scale(q.amax)
-    m, k = q.shape
-    vals = e2m1_decode(unpack_nibbles(q.codes)).view(m, k // BLOCK, BLOCK)
-    t = decode_scale(q.amax)
-    out = vals * q.rowmajor_scales().to(torch.float32).unsqueeze(-1) * t
-    return out.view(m, k)
+    tensor scale, the same bits): the block values of ``_blockwise_values``, then the tensor scale."""
+    return _blockwise_values(q) * decode_scale(q.amax)
 
 
 def transpose_nvfp4_ref(q: NVFP4Tensor) -> NVFP4Tensor:
