@@ -12,6 +12,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.mcore_compat.embedding import rows_into_main_grad
 from nvfp4_train.models.fusion import FusionConfig
 from nvfp4_train.models.hybrid import HybridModel, HybridStack
 from nvfp4_train.models.pattern import HybridPattern
@@ -160,4 +161,7 @@ def build_model(
         pg_collection=pg_collection,
     )
     model.model_cfg = model_cfg
+    if fusion is not None and fusion.wgrad_accumulation and pre_process:
+        # the word embedding's gradient rows into main_grad too (no [vocab, hidden] gradient, no full-table add)
+        rows_into_main_grad(model.embedding.word_embeddings)
     return model

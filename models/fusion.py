@@ -14,7 +14,8 @@ field                       megatron-core's switch              what runs instea
 ``cross_entropy``           ``cross_entropy_loss_fusion``       vocab-parallel cross-entropy that reads the
                                                                 bf16 logits once per direction (fp32 math)
 ``wgrad_accumulation``      ``gradient_accumulation_fusion``    each weight gradient GEMM adds into the fp32
-                                                                ``main_grad`` in its epilogue (beta = 1)
+                                                                ``main_grad`` in its epilogue (beta = 1); the
+                                                                word embedding adds its gradient rows into it
 ``mamba``                   --                                  Mamba-2's conv + scan + gated norm as one
                                                                 autograd op of mamba-ssm's and causal-conv1d's
                                                                 kernels in megatron's sequence-first layout
@@ -41,6 +42,7 @@ class FusionConfig:
     cross_entropy: bool = True
     """Vocab-parallel cross-entropy over the bf16 logits in fp32, the logits read once per direction."""
     wgrad_accumulation: bool = True
-    """Weight-gradient GEMMs accumulate into the fp32 ``main_grad`` (no bf16 weight gradient, no extra add)."""
+    """Weight-gradient GEMMs accumulate into the fp32 ``main_grad`` (no bf16 weight gradient, no extra add); the
+    word embedding adds its gradient into the ``main_grad`` rows its tokens name (``mcore_compat/embedding.py``)."""
     mamba: bool = True
     """Mamba-2's conv + scan + gated norm as one op of mamba-ssm's and causal-conv1d's kernels (CUDA)."""
