@@ -285,9 +285,11 @@ def _scale_grads(opts: list, coeff) -> None:
 class PendingStep:
     """An optimizer step whose decisions are on the device, not yet read (:func:`begin_optimizer_step`).
 
-    ``flags``: a float64 device tensor ``[every main gradient finite, the step clips]`` (1.0 / 0.0), the two
-    values :func:`finish_optimizer_step` needs from the host; None when megatron's ``prepare_grads`` already
-    found a non-finite gradient (fp16's dynamic grad scaler, which reads its flag itself)."""
+    ``flags``: a float64 device tensor ``[every main gradient finite, the step clips, the global norm]`` (1.0 /
+    0.0, 1.0 / 0.0, the norm), the values :func:`finish_optimizer_step` needs from the host (the norm read with
+    them, so that nothing after the step's one host read waits for the device); None when megatron's
+    ``prepare_grads`` already found a non-finite gradient (fp16's dynamic grad scaler, which reads its flag
+    itself)."""
 
     optimizer: object
     clip_grad: float
@@ -316,22 +318,23 @@ def begin_optimizer_step(optimizer, clip_grad: float) -> PendingStep:
         finite = torch.isfinite(norm) & torch.isfinite(left_out)
         coeff = _clip_coefficient(norm, clip_grad) if clip_grad > 0.0 else None
         clips = coeff < 1.0 if coeff is not None else torch.zeros_like(finite)
-        return PendingStep(optimizer, clip_grad, norm, coeff, torch.stack([finite, clips]).double())
+        flags = torch.stack([finite.double(), clips.double(), norm.double()])
+        return PendingStep(optimizer, clip_grad, norm, coeff, flags)
 
 
 def finish_optimizer_step(pending: PendingStep, flags) -> tuple:
     """The second half of :func:`optimizer_step`: ``flags`` are ``pending.flags`` read on the host (a sequence
-    of two numbers; ignored when ``pending.flags`` is None). A step with a non-finite gradient returns ``(False,
+    of three numbers; ignored when ``pending.flags`` is None). A step with a non-finite gradient returns ``(False,
     None, None)`` without touching the weights; a step that clips multiplies every gradient by the coefficient,
     one that does not multiplies nothing (megatron's own ``clip_coeff < 1.0``, decided on the host); then
-    megatron's ``step_with_ready_grads``."""
+    megatron's ``step_with_ready_grads``. The returned norm is the host float read with the flags."""
     import torch
     from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
 
     optimizer, clip_grad = pending.optimizer, pending.clip_grad
     if pending.flags is None:
         return False, None, None
-    finite, clips = (float(f) for f in flags)
+    finite, clips, norm = (float(f) for f in flags)
     if not finite:
         return False, None, None
     with torch.no_grad():
@@ -340,7 +343,6 @@ def finish_optimizer_step(pending: PendingStep, flags) -> tuple:
         opts = optimizer.chained_optimizers if chained else [optimizer]
         if clips:
             _scale_grads(opts, pending.coeff.float())
-        norm = pending.norm
         if chained:
             grad_norm = norm
             num_zeros = optimizer.count_zeros() if count else None
@@ -355,10 +357,10 @@ def finish_optimizer_step(pending: PendingStep, flags) -> tuple:
 def optimizer_step(optimizer, clip_grad: float):
     """One optimizer step, ``optimizer.step()``'s, with :func:`clip_grad_norm_sync_free`'s clipping instead of
     megatron's (built by :func:`build_optimizer`, megatron's ``clip_grad`` is 0): :func:`begin_optimizer_step`,
-    the step's one host read of its two decisions (megatron's found-inf flag had one too), then
+    the step's one host read of its two decisions and the norm (megatron's found-inf flag had one too), then
     :func:`finish_optimizer_step`. Returns ``(success, grad_norm, num_zeros)`` as megatron's ``step()`` would
     with ``clip_grad``: ``(False, None, None)`` when a main gradient on some rank is non-finite (the global
-    norm's check, module docstring), before the weights are touched; ``grad_norm`` a 0-d device tensor (a
+    norm's check, module docstring), before the weights are touched; ``grad_norm`` a float (a
     ``ChainedOptimizer`` always computes it; a single mixed-precision optimizer returns 0.0 and the FP32 one None
     when ``clip_grad`` is 0); ``num_zeros`` counted when ``log_num_zeros_in_grad`` is set."""
     pending = begin_optimizer_step(optimizer, clip_grad)

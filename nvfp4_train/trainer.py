@@ -279,8 +279,8 @@ class StepOutcome:
     lr: float
     """The learning rate the step ran with (before the parameter groups' multipliers)."""
     grad_norm: torch.Tensor | float | None
-    """The global gradient norm before clipping, as ``nvfp4_train.optim.optimizer_step`` returns it (a 0-d device
-    tensor: ``float()`` reads it, a host sync); None when the update was skipped."""
+    """The global gradient norm before clipping, as ``nvfp4_train.optim.optimizer_step`` returns it (read with the
+    step's one host read); None when the update was skipped."""
     skipped: bool
     """The update was not applied (a bad step, counted in ``Trainer.skipped_steps``)."""
     reason: str | None
@@ -291,7 +291,10 @@ class StepOutcome:
     """A SIGTERM/SIGUSR1/SIGINT reached some rank before the step's all-reduce (:meth:`Trainer.run` saves and
     stops)."""
     time_s: float
-    """Wall seconds of the step, device synchronized (the precision switch and telemetry collection excluded)."""
+    """Wall seconds of the step on the host, from its start to its last launch (the precision switch and
+    telemetry collection excluded). The step does not wait for its optimizer kernels: the next step's host
+    work overlaps them, and its one host read waits for them, so over consecutive steps the times add up to
+    the device's."""
 
 
 @dataclass(kw_only=True)
@@ -858,6 +861,8 @@ class Trainer:
 
     def save(self) -> str:
         """Write a checkpoint of the current step (collective); it becomes :attr:`last_checkpoint`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the last step's optimizer kernels are done (a step does not wait for them)
         meta = {"model": dataclasses.asdict(self.cfg.model), "layout": self.ps.layout(), "step": self.step,
                 "consumed_tokens": self.step * self.sched.tokens_per_step, "time": time.time()}
         t0 = time.time()
@@ -892,7 +897,12 @@ class Trainer:
         call opens the training data at the current position. With CUDA graphs (``cuda_graph``) the forwards and
         backwards are replayed from a graph, bitwise the same step."""
         with self._on_stream():
-            return self._train_step()
+            out = self._train_step()
+        if self._stream is not None:
+            # what the caller's stream does next (a timing event, a read) comes after this step's kernels, the
+            # optimizer's included, without the host waiting for them
+            torch.cuda.current_stream().wait_stream(self._stream)
+        return out
 
     def _train_step(self) -> StepOutcome:
         cfg = self.cfg
@@ -939,12 +949,12 @@ class Trainer:
             reason = "non-finite learning rate"
         else:
             with _phase("optimizer_finish"):
-                ok, grad_norm, _ = finish_optimizer_step(pending, flags)  # grad_norm: a device tensor
+                ok, grad_norm, _ = finish_optimizer_step(pending, flags)  # grad_norm: read with the flags
             reason = None if ok else "non-finite gradient"
         with _phase("end"):
+            # no wait for the optimizer's kernels: the next step's host work (its zeroing, batches, launch)
+            # overlaps them on the device
             invalidate_weight_caches(module)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
 

@@ -68,6 +68,21 @@ def cuda_step_times(step: Callable[[], object], iters: int) -> list[float]:
     return times
 
 
+def cuda_pipelined_step_times(step: Callable[[], object], iters: int) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``step`` run back to back as a training loop runs them (no host
+    synchronization between them): a CUDA event before each call and one after the last, one synchronize at the
+    end. A step's time is the device time from its event to the next: from the end of the previous step's
+    kernels to the end of its own (``Trainer.train_step`` orders the caller's stream after its kernels), idle
+    gaps included; the host work of a step overlaps the previous step's kernels where the loop allows it."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    for i in range(iters):
+        events[i].record()
+        step()
+    events[-1].record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+
+
 def random_token_prefix(out_dir: Path, vocab: int, tokens: int, doc_len: int, seed: int = 1) -> str:
     """An indexed dataset (``.bin``/``.idx``, megatron-core's builder, as ``scripts/prepare_data.py`` writes one)
     of ``tokens`` token ids drawn uniformly from ``[0, vocab)`` with a seeded generator, in documents of

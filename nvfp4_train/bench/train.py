@@ -13,7 +13,10 @@ through the trainer's own data loader; no checkpoints or external loggers) and i
 ``Trainer.train_step()``: the step ``train.py`` loops over (megatron's DDP with FP32 gradient buffers, the
 distributed optimizer: FP32 master weights, AdamW, sync-free clipping; the quantized weights cached per optimizer
 step and dropped after it; the step's loss all-reduce, learning rate and non-finite decisions). ``--warmup`` then
-``--iters`` steps, timed with CUDA events, median step time; "logged tokens/s" is what ``train.py`` logs for the
+``--iters`` steps, timed with CUDA events, median step time, each step on its own (the host waits for the device
+after it, so the step includes the device's idle time while the host prepares it); then ``--iters`` more steps
+back to back as ``train.py`` runs them ("back to back": the host prepares the next step while the device runs
+the optimizer; ``bench.cases.cuda_pipelined_step_times``); "logged tokens/s" is what ``train.py`` logs for the
 same steps (tokens per step over the step's own ``time_s``). A step is one micro-batch of the case's shape unless
 ``--grad-accum N`` makes it N (``schedule.global_batch_size`` = N x micro-batch): with N = 1 every quantized
 layer re-quantizes its weight each step, with N > 1 the weight cache serves the other micro-batches, as in
@@ -83,7 +86,7 @@ from pathlib import Path
 
 import torch
 
-from nvfp4_train.bench.cases import CASES, build_trainer, cuda_step_times
+from nvfp4_train.bench.cases import CASES, build_trainer, cuda_pipelined_step_times, cuda_step_times
 from nvfp4_train.bench.profile import print_profile, print_sync_debug, profile_step, sync_debug_step
 from nvfp4_train.metrics import NONFINITE_CHECK_MODES
 from nvfp4_train.schedule import CUDA_GRAPH_MODES
@@ -129,7 +132,7 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    extra_steps = 2 + (profile_dir is not None) + sync_debug
+    extra_steps = 2 + (profile_dir is not None) + sync_debug + (iters if torch.cuda.is_available() else 0)
     with build_trainer(case, recipe, grad_accum=grad_accum, steps=warmup + iters + extra_steps, work_dir=work_dir,
                        nonfinite_check=nonfinite_check, extra=extra) as trainer:
         module = trainer.ddp.module  # the model inside megatron's DDP
@@ -152,6 +155,7 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
             torch.cuda.reset_peak_memory_stats()
             times = cuda_step_times(step, iters)
             peak = torch.cuda.max_memory_allocated()
+            back_to_back = cuda_pipelined_step_times(step, iters)
             # what the forward leaves allocated for backward (saved activations, the loss): one more step, with
             # memory_allocated read before it and right after its first forward (a forward hook). The peak above
             # also holds backward's transients (gradients, GEMM workspaces, dequantized operands), which hide a
@@ -183,7 +187,7 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
             logged = [o.time_s for o in outcomes[:iters]]
         else:
             base = peak = saved = wcopies = 0
-            times = []
+            times, back_to_back = [], []
             for _ in range(iters):
                 t = time.perf_counter()
                 step()
@@ -197,6 +201,9 @@ def bench_case(case: str, recipe: str, warmup: int, iters: int, work_dir: Path, 
                    grad_accum=grad_accum, bf16_blocks=lm.num_bf16, linear_layers=lm.num_linear, step_s=t,
                    tokens_per_s=tps, logged_tokens_per_s=tokens / statistics.median(logged),
                    tflops=flops * tps / 1e12, mfu=flops * tps / H200_BF16_PEAK,
+                   step_back_to_back_s=statistics.median(back_to_back) if back_to_back else None,
+                   mfu_back_to_back=(flops * tokens / statistics.median(back_to_back) / H200_BF16_PEAK
+                                     if back_to_back else None),
                    peak_gib=peak / 2**30, base_gib=base / 2**30, activation_gib=(peak - base) / 2**30,
                    saved_gib=None if saved is None else saved / 2**30,
                    weight_copies_gib=None if wcopies is None else wcopies / 2**30,
@@ -331,14 +338,14 @@ def main() -> int:
                         print_sync_debug(label, recipe, r["sync_debug"])
     print()
     print("| case | cuda_graph | fusion | recipe | bf16 linear layers | step (ms) | vs bf16 | tokens/s | logged tokens/s "
-          "| TFLOP/s | MFU | peak GiB | before step GiB | act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 "
+          "| TFLOP/s | MFU | back to back (ms) | MFU back to back | peak GiB | before step GiB | act. GiB | act. vs bf16 | saved by fwd GiB | saved vs bf16 "
           "| quantized weight copies GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["case"], r["cuda_graph"], r["fusion"]): r for r in rows if r["recipe"] == "bf16" and "error" not in r}
     for r in rows:
         if "error" in r:
             print(f"| {r['case']} | {r['cuda_graph']} | {r['fusion']} | {r['recipe']} | error: {r['error'][:120]} "
-                  f"||||||||||")
+                  f"||||||||||||")
             continue
         b = base.get((r["case"], r["cuda_graph"], r["fusion"]))
         ratio = f"{r['step_s'] / b['step_s']:.2f}x" if b else "-"
@@ -347,9 +354,11 @@ def main() -> int:
                   and (b["saved_gib"] or 0) > 0 else "-")
         saved = "-" if r["saved_gib"] is None else f"{r['saved_gib']:.2f}"
         copies = "-" if r["weight_copies_gib"] is None else f"{r['weight_copies_gib']:.2f}"
+        b2b = "-" if r.get("step_back_to_back_s") is None else f"{r['step_back_to_back_s'] * 1e3:.1f}"
+        b2b_mfu = "-" if r.get("mfu_back_to_back") is None else f"{100 * r['mfu_back_to_back']:.1f}%"
         print(f"| {r['case']} | {r['cuda_graph']} | {r['fusion']} | {r['recipe']} | {r['bf16_blocks']}/{r['linear_layers']} | "
               f"{r['step_s'] * 1e3:.1f} | {ratio} | {r['tokens_per_s']:,.0f} | {r['logged_tokens_per_s']:,.0f} | "
-              f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {r['base_gib']:.1f} | "
+              f"{r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {b2b} | {b2b_mfu} | {r['peak_gib']:.1f} | {r['base_gib']:.1f} | "
               f"{r['activation_gib']:.1f} | {aratio} | {saved} | {sratio} | {copies} |")
     if len(a.fusion) > 1:
         print_fusion_table(rows)
