@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q
 
-.PHONY: install data train test test-unit test-triton test-dist test-gpu bench bench-kernels bench-linear bench-train wheelhouse wheelhouse-h200 clean
+.PHONY: install data train test test-unit test-triton test-dist test-gpu bench bench-kernels bench-linear bench-train bench-rms-norm wheelhouse wheelhouse-h200 clean
 
 install: $(STAMP)
 
@@ -47,7 +47,7 @@ test-gpu:
 # GPU benchmarks (docs/benchmarks.md has their results and commands). bench_linear.py exits 1 when a target
 # is missed; -k runs the other benchmarks anyway (make still reports the failure)
 bench:
-	$(MAKE) -k bench-kernels bench-linear bench-train
+	$(MAKE) -k bench-kernels bench-linear bench-train bench-rms-norm
 
 bench-kernels:
 	$(GPU_PY) scripts/bench_kernels.py
@@ -61,6 +61,10 @@ bench-linear:
 bench-train:
 	$(GPU_PY) scripts/bench_train.py --cases small slice12b 1.2b --recipes bf16 fp8 nvfp4 --grad-accum 4 \
 		--cuda-graph on --fusion off on
+
+# RMSNorm's backward: torch's two kernels against ours (fusion.rms_norm), and Liger-Kernel's when it imports
+bench-rms-norm:
+	$(GPU_PY) scripts/bench_rms_norm.py
 
 # (the venv gives the build its torch and uv)
 wheelhouse: $(STAMP)

@@ -15,6 +15,7 @@ from nvfp4_train.models.config import ModelConfig
 from nvfp4_train.mcore_compat.embedding import rows_into_main_grad
 from nvfp4_train.models.fusion import FusionConfig
 from nvfp4_train.models.hybrid import HybridModel, HybridStack
+from nvfp4_train.models.layers import RMSNorm
 from nvfp4_train.models.pattern import HybridPattern
 from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
 from nvfp4_train.mcore_compat.rope import install_fused_rope
@@ -66,7 +67,7 @@ def transformer_config(
     with our kernels installed behind them; None: none (megatron's unfused paths, e.g. for a model trained without
     megatron's DDP, whose gradient buffers the fused weight gradient needs)."""
     fusion = fusion if fusion is not None else FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=False,
-                                                             mamba=False)
+                                                             mamba=False, activation=False, rms_norm=False)
     if fusion.wgrad_accumulation:
         install_wgrad_accumulation()
     if fusion.rope and model_cfg.position_embedding == "rope":
@@ -138,8 +139,9 @@ def build_model(
 
     ``layer_map`` must be resolved for ``model_cfg.pattern``; ``seed`` seeds the stochastic-rounding streams of
     the quantized layers (weights are initialised from the RNG state at call time, as megatron does). ``fusion``:
-    the fusions the model builds in (``fusion.mamba``: the Mamba mixers' fused op; the others are ``config``'s
-    megatron switches, see :func:`transformer_config`); None: none.
+    the fusions the model builds in (``fusion.mamba``: the Mamba mixers' fused op; ``fusion.activation``: the MLPs'
+    squared ReLU with two of the non-finite checks in its kernels; ``fusion.rms_norm``: every RMSNorm's backward as
+    one kernel; the others are ``config``'s megatron switches, see :func:`transformer_config`); None: none.
     """
     if layer_map.num_blocks != model_cfg.num_layers:
         raise ValueError(f"layer precision map covers {layer_map.num_blocks} blocks, model has {model_cfg.num_layers}")
@@ -147,7 +149,8 @@ def build_model(
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pattern = stage_pattern(model_cfg, config.pipeline_model_parallel_size)
     stack = ModuleSpec(module=HybridStack, params=dict(model_cfg=model_cfg, layer_map=layer_map, pattern=pattern,
-                                                       seed=seed, fused_mamba=bool(fusion and fusion.mamba)))
+                                                       seed=seed, fused_mamba=bool(fusion and fusion.mamba),
+                                                       fused_activation=bool(fusion and fusion.activation)))
     model = HybridModel(
         config=config,
         mamba_stack_spec=stack,
@@ -161,6 +164,10 @@ def build_model(
         pg_collection=pg_collection,
     )
     model.model_cfg = model_cfg
+    if fusion is not None and fusion.rms_norm:
+        for module in model.modules():  # every block's norm and the final norm
+            if isinstance(module, RMSNorm):
+                module.fused_backward = True
     if fusion is not None and fusion.wgrad_accumulation and pre_process:
         # the word embedding's gradient rows into main_grad too (no [vocab, hidden] gradient, no full-table add)
         rows_into_main_grad(model.embedding.word_embeddings)

@@ -20,6 +20,15 @@ field                       megatron-core's switch              what runs instea
                                                                 autograd op of mamba-ssm's and causal-conv1d's
                                                                 kernels in megatron's sequence-first layout
                                                                 (CUDA; ``models/mamba/ops.py``)
+``activation``              --                                  the MLP's squared ReLU as one kernel per
+                                                                direction that also runs fc1's output check
+                                                                and fc2's input-gradient check (non-finite),
+                                                                reading each tensor once; bitwise megatron's
+                                                                ``squared_relu`` and its autograd
+                                                                (``models/activation.py``)
+``rms_norm``                --                                  RMSNorm's backward as one kernel: dx and the
+                                                                weight gradient's partials in one pass over
+                                                                x and dy (``kernels/fused/rms_norm.py``)
 ==========================  ==================================  ============================================
 
 ``docs/numerics.md`` ("Fused step") states each fusion's arithmetic against the unfused path.
@@ -34,8 +43,10 @@ __all__ = ["FusionConfig"]
 
 @dataclass(kw_only=True)
 class FusionConfig:
-    """Fused kernels of the training step (the ``fusion`` section). Each is on by default; ``false`` runs the
-    unfused reference arithmetic (for numerics comparisons and benchmarks)."""
+    """Fused kernels of the training step (the ``fusion`` section). Each is on by default but ``activation`` and
+    ``rms_norm``, whose kernels have passed their tests on CPU and under Triton's interpreter but not yet on a GPU
+    (``docs/benchmarks.md``, "Not measured yet"); ``false`` runs the unfused reference arithmetic (for numerics
+    comparisons and benchmarks)."""
 
     rope: bool = True
     """Rotary embedding in one kernel per direction (bitwise the unfused arithmetic)."""
@@ -46,3 +57,11 @@ class FusionConfig:
     word embedding adds its gradient into the ``main_grad`` rows its tokens name (``mcore_compat/embedding.py``)."""
     mamba: bool = True
     """Mamba-2's conv + scan + gated norm as one op of mamba-ssm's and causal-conv1d's kernels (CUDA)."""
+    activation: bool = False
+    """The MLP's squared ReLU (no bias, no gate) as one kernel per direction that runs the non-finite checks of fc1's
+    output (forward) and fc2's input gradient (backward) in the same launch, instead of the check's own reads of
+    those tensors (bitwise the unfused values, the same non-finite answers). Off until its GPU tests pass."""
+    rms_norm: bool = False
+    """RMSNorm's backward as one Triton kernel (dx and per-program fp32 weight-gradient partials, then their sum)
+    instead of torch's two (CUDA; the forward is torch's, bit for bit; the gradients within the bound of
+    ``docs/numerics.md``). Off until its GPU tests pass."""

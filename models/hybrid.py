@@ -40,6 +40,7 @@ from nvfp4_train.kernels.fused.cross_entropy import vocab_parallel_cross_entropy
 from nvfp4_train.kernels.sr_key import ROLE_SLOTS, block_seed
 from nvfp4_train.mcore_compat.rope import rotary_follows_model
 from nvfp4_train.models.config import ModelConfig
+from nvfp4_train.models.activation import checked_squared_relu_fits, install_checked_squared_relu
 from nvfp4_train.models.attention import SDPAttention
 from nvfp4_train.models.layers import RMSNorm, linear_spec
 from nvfp4_train.models.mamba.mixer import MambaLayer, MambaLayerSubmodules, MambaMixer, MambaMixerSubmodules
@@ -99,6 +100,9 @@ class HybridStack(MegatronModule):
 
     Built by megatron's ``MambaModel`` through its ``mamba_stack_spec`` slot (it passes ``pre_process``,
     ``post_process``, ``pg_collection`` and its hybrid-ratio arguments, which our explicit pattern replaces).
+    ``fused_mamba``: ``fusion.mamba``; ``fused_activation``: ``fusion.activation``, every MLP's squared ReLU runs
+    fc1's output check and fc2's input-gradient check in its kernels (``nvfp4_train.models.activation``; a model
+    whose MLP adds a bias or gates keeps megatron's activation).
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class HybridStack(MegatronModule):
         pattern: HybridPattern,
         seed: int = 0,
         fused_mamba: bool = False,
+        fused_activation: bool = False,
         pre_process: bool = True,
         post_process: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
@@ -130,6 +135,10 @@ class HybridStack(MegatronModule):
                          layer_number=i + 1, pg_collection=pg_collection)
             for i, kind in enumerate(self.block_kinds)
         )
+        if fused_activation and model_cfg.activation == "squared_relu" and checked_squared_relu_fits(config):
+            for kind, layer in zip(self.block_kinds, self.layers):
+                if kind == MLP_KIND:
+                    install_checked_squared_relu(layer.mlp)
         self.final_norm = RMSNorm(config, config.hidden_size, config.layernorm_epsilon) if post_process else None
         self.input_tensor: torch.Tensor | None = None
 

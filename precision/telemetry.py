@@ -35,6 +35,13 @@ count instead of the global one: the same order, so the same answers. No host sy
 :func:`first_nonfinite_layer` is asked: it names the layer that went non-finite first, in forward or
 backward. :func:`reset_nonfinite` clears it.
 
+A layer can hand a check to the op next to it that reads the same tensor anyway: with
+``output_check_by_consumer`` its output is checked by the op that consumes it, with
+``input_grad_check_by_producer`` its input gradient by the op that produces it (the MLP's squared ReLU reads fc1's
+output forward and fc2's input gradient backward: ``nvfp4_train.models.activation``). That op runs the check in a
+kernel launch of its own through :meth:`LayerTelemetry.check_by`, at the point of the clock order where the layer's
+own check would have run (nothing else is checked in between), so every time and answer is the same.
+
 The layers (``nvfp4_train.precision.megatron_linear``) carry a :class:`LayerTelemetry` as
 ``quant_telemetry``; the functions here walk any module tree for them.
 """
@@ -42,6 +49,8 @@ The layers (``nvfp4_train.precision.megatron_linear``) carry a :class:`LayerTele
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -53,6 +62,7 @@ from nvfp4_train.kernels.fused.nonfinite import (
     track_nonfinite_ref,
     track_nonfinite_triton,
 )
+from nvfp4_train.kernels.fused.nonfinite_reference import NonfiniteCheck
 from nvfp4_train.precision.operand import Operand
 from nvfp4_train.precision.recipe import OperandCast
 
@@ -76,6 +86,7 @@ STAT_NAMES = ("zero", "saturated", "sqnr_db")
 _NEVER = NEVER  # the "no non-finite value seen" time
 _NEVER_F = float(_NEVER)
 _clock = itertools.count()  # one global order of forward and backward calls, across layers
+_R = TypeVar("_R")
 
 
 def _codes_fp4(codes_packed: torch.Tensor) -> torch.Tensor:
@@ -142,6 +153,10 @@ class LayerTelemetry:
         self.clock: torch.Tensor | None = None  # the device clock (set_device_clock); None: the host clock
         # the check kernel's counters of finished programs (forward, backward), int32 [1] each, zero between checks
         self._arrivals: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the output's check is made by the op that consumes the output, the input gradient's by the op that
+        # produces it (through check_by): check_output and probe_input_grad then do nothing
+        self.output_check_by_consumer: bool = False
+        self.input_grad_check_by_producer: bool = False
 
     def set_device_clock(self, clock: torch.Tensor | None) -> None:
         """Time the non-finite checks by ``clock`` (a 0-d float64 device tensor shared by a model's layers,
@@ -190,12 +205,32 @@ class LayerTelemetry:
         return kept
 
     def check_output(self, y: torch.Tensor) -> None:
-        if self.check_nonfinite:
+        if self.check_nonfinite and not self.output_check_by_consumer:
             self.forward_bad = self._check(self.forward_bad, y, 0)
 
     def check_input_grad(self, g: torch.Tensor) -> None:
         if self.check_nonfinite:
             self.backward_bad = self._check(self.backward_bad, g, 1)
+
+    def check_by(self, direction: int, t: torch.Tensor, launch: Callable[[NonfiniteCheck | None], _R]) -> _R:
+        """``launch(check)``: a kernel launch that reads ``t``, this layer's output (``direction`` 0) or input
+        gradient (1), for its own purpose and checks it on this layer's behalf, with ``check`` this layer's check
+        of that slot (None while the check is off). The same check as :meth:`check_output` /
+        :meth:`check_input_grad` at this point: the host clock's time is taken here, the device clock is advanced
+        by the launch; the kept time is stored in the slot afterwards. Returns what ``launch`` returns."""
+        assert direction in (0, 1)
+        if not self.check_nonfinite:
+            return launch(None)
+        kept = self.forward_bad if direction == 0 else self.backward_bad
+        check = NonfiniteCheck(kept, self._counters(t.device)[direction], clock=self.clock)
+        if self.clock is None:
+            check.now = next(_clock)
+        out = launch(check)
+        if direction == 0:
+            self.forward_bad = check.kept
+        else:
+            self.backward_bad = check.kept
+        return out
 
     def reset_nonfinite(self) -> None:
         if self.clock is not None:  # the persistent tensors a captured graph writes
@@ -220,8 +255,9 @@ class _InputGradProbe(torch.autograd.Function):
 
 
 def probe_input_grad(x: torch.Tensor, tel: LayerTelemetry) -> torch.Tensor:
-    """``x`` itself, with the gradient flowing back through it checked for non-finite values."""
-    if not tel.check_nonfinite or not x.requires_grad:
+    """``x`` itself, with the gradient flowing back through it checked for non-finite values (unless the op that
+    produces that gradient checks it: ``tel.input_grad_check_by_producer``)."""
+    if not tel.check_nonfinite or tel.input_grad_check_by_producer or not x.requires_grad:
         return x
     return _InputGradProbe.apply(x, tel)
 

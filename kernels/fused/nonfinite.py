@@ -58,6 +58,7 @@ from nvfp4_train.kernels.fused.nonfinite_reference import (
 
 __all__ = [
     "NEVER",
+    "check_nonfinite_args",
     "kernel_takes",
     "new_arrivals",
     "track_nonfinite",
@@ -78,6 +79,33 @@ _FORMATS = {
     torch.float32: (32, 0x7F800000),
     torch.float64: (64, 0x7FF0000000000000),
 }
+
+
+@triton.jit
+def track_nonfinite_tail(acc, EXP: tl.constexpr, kept_ptr, clock_ptr, arrivals_ptr, now, NEVER_F: tl.constexpr,
+                         CLOCKED: tl.constexpr, FRESH: tl.constexpr):
+    """The end of one program of a persistent check, after its last tile: ``acc`` is its register tile of
+    exponent fields (each ``bits & EXP``), so the program saw a NaN/±Inf exactly when ``max(acc) == EXP``. One
+    atomic on ``arrivals``; the last program to arrive updates ``kept`` (and the clock) and zeroes the counter
+    (the module docstring). Every program of the grid must call it exactly once; a kernel that reads the tensor
+    for another purpose too (``squared_relu.py``) folds the check in by ending with it."""
+    npid = tl.num_programs(0)
+    bad = (tl.max(acc, axis=0) == EXP).to(tl.int32)
+    old = tl.atomic_add(arrivals_ptr, 1 + bad * npid)  # (programs done) + npid * (of them non-finite)
+    last = old % npid == npid - 1
+    any_bad = (old // npid + bad) > 0
+    if CLOCKED:
+        when = tl.load(clock_ptr, mask=last, other=0.0) + 1.0
+        tl.store(clock_ptr, when, mask=last)
+    else:
+        when = now.to(tl.float64)
+    if FRESH:
+        new = tl.where(any_bad, when, NEVER_F)
+    else:
+        prev = tl.load(kept_ptr, mask=last, other=0.0)
+        new = tl.where(any_bad, tl.minimum(prev, when), prev)
+    tl.store(kept_ptr, new, mask=last)
+    tl.store(arrivals_ptr, 0, mask=last)
 
 
 @triton.jit(do_not_specialize=["now"])
@@ -105,22 +133,7 @@ def _track_nonfinite_kernel(
         else:
             bits = x.to(tl.int64, bitcast=True)
         acc = tl.maximum(acc, bits & EXP)  # <= EXP, equal exactly for NaN / ±Inf
-    bad = (tl.max(acc, axis=0) == EXP).to(tl.int32)
-    old = tl.atomic_add(arrivals_ptr, 1 + bad * npid)  # (programs done) + npid * (of them non-finite)
-    last = old % npid == npid - 1
-    any_bad = (old // npid + bad) > 0
-    if CLOCKED:
-        when = tl.load(clock_ptr, mask=last, other=0.0) + 1.0
-        tl.store(clock_ptr, when, mask=last)
-    else:
-        when = now.to(tl.float64)
-    if FRESH:
-        new = tl.where(any_bad, when, NEVER_F)
-    else:
-        prev = tl.load(kept_ptr, mask=last, other=0.0)
-        new = tl.where(any_bad, tl.minimum(prev, when), prev)
-    tl.store(kept_ptr, new, mask=last)
-    tl.store(arrivals_ptr, 0, mask=last)
+    track_nonfinite_tail(acc, EXP, kept_ptr, clock_ptr, arrivals_ptr, now, NEVER_F, CLOCKED, FRESH)
 
 
 def _one_span(t: torch.Tensor) -> bool:
@@ -149,11 +162,14 @@ def new_arrivals(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _check(kept: torch.Tensor | None, t: torch.Tensor, arrivals: torch.Tensor | None) -> None:
+def check_nonfinite_args(kept: torch.Tensor | None, t: torch.Tensor, arrivals: torch.Tensor | None) -> None:
+    """What every launch of the check's kernel tail needs (this kernel's, and the kernels that run a check on the
+    tensor they read): a dtype it knows, a persistent int32 [1] counter and a 0-d float64 kept time (or None) on
+    t's device."""
     if t.dtype not in _FORMATS:
         raise TypeError(f"the non-finite check takes {', '.join(map(str, _FORMATS))}, got {t.dtype}")
-    if arrivals is None or arrivals.dtype != torch.int32 or arrivals.device != t.device:
-        got = None if arrivals is None else f"{arrivals.dtype} on {arrivals.device}"
+    if arrivals is None or arrivals.dtype != torch.int32 or arrivals.device != t.device or arrivals.numel() != 1:
+        got = None if arrivals is None else f"{arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}"
         raise ValueError(f"arrivals={got}: the kernel needs a persistent int32 counter on {t.device}: pass "
                          f"new_arrivals(t.device), kept between calls")
     if kept is not None and (kept.dtype != torch.float64 or kept.dim() != 0 or kept.device != t.device):
@@ -178,7 +194,7 @@ def track_nonfinite_triton(kept: torch.Tensor | None, t: torch.Tensor, now: int,
     :func:`kernel_takes` (but for the device)."""
     if t.numel() == 0:
         return kept
-    _check(kept, t, arrivals)
+    check_nonfinite_args(kept, t, arrivals)
     if not _one_span(t):
         raise ValueError(f"the non-finite kernel reads t's elements as one span; t of shape {tuple(t.shape)} "
                          f"and strides {t.stride()} has gaps: use track_nonfinite (the reference takes it)")
@@ -197,7 +213,7 @@ def track_nonfinite_clocked_triton(kept: torch.Tensor, t: torch.Tensor, clock: t
     if t.numel() == 0:
         clock.add_(1.0)
         return
-    _check(kept, t, arrivals)
+    check_nonfinite_args(kept, t, arrivals)
     if clock.dtype != torch.float64 or clock.dim() != 0 or clock.device != t.device:
         raise ValueError(f"clock is a {clock.dtype} of shape {tuple(clock.shape)} on {clock.device}: pass a 0-d "
                          f"float64 tensor on {t.device}")

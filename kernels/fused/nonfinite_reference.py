@@ -20,13 +20,20 @@ with no host sync. Two clocks give τ:
 An empty tensor holds nothing non-finite: no launch (the device clock still advances: it counts checks).
 ``arrivals`` is the Triton kernel's counter of finished programs (``nonfinite.py``); it is unused here and
 taken for the same signature.
+
+A kernel that reads a tensor for its own purpose can run the check of it in the same launch
+(``squared_relu.py``); :class:`NonfiniteCheck` carries one check's state (either clock) to it, and
+:func:`track_nonfinite_check_ref` is that check here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["NEVER", "track_nonfinite_ref", "track_nonfinite_clocked_ref"]
+__all__ = ["NEVER", "NonfiniteCheck", "track_nonfinite_ref", "track_nonfinite_clocked_ref",
+           "track_nonfinite_check_ref"]
 
 NEVER = 2**62  # the time kept while no non-finite value was seen
 _NEVER_F = float(NEVER)
@@ -59,3 +66,24 @@ def track_nonfinite_clocked_ref(kept: torch.Tensor, t: torch.Tensor, clock: torc
         return
     hit = torch.where(torch.isfinite(_abs_max(t)), _NEVER_F, clock)
     torch.minimum(kept, hit, out=kept)
+
+
+@dataclass(eq=False)
+class NonfiniteCheck:
+    """One check, for a kernel that folds it into a launch of its own: the arguments of
+    :func:`track_nonfinite_ref` (``clock`` None: the host clock's ``now``) or :func:`track_nonfinite_clocked_ref`
+    (``clock``, advanced by the check). After the check ``kept`` is the result: updated in place, or (host clock,
+    ``kept`` None) the new tensor."""
+
+    kept: torch.Tensor | None
+    arrivals: torch.Tensor | None = None
+    now: int = 0
+    clock: torch.Tensor | None = None
+
+
+def track_nonfinite_check_ref(check: NonfiniteCheck, t: torch.Tensor) -> None:
+    """``check`` of ``t`` by :func:`track_nonfinite_ref` or :func:`track_nonfinite_clocked_ref` (by its clock)."""
+    if check.clock is None:
+        check.kept = track_nonfinite_ref(check.kept, t, check.now, check.arrivals)
+    else:
+        track_nonfinite_clocked_ref(check.kept, t, check.clock, check.arrivals)
