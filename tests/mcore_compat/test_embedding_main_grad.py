@@ -33,6 +33,16 @@ def _unfused(w0: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor, main_grad: t
     return out.detach(), main_grad.clone().add_(w.grad)
 
 
+def _rows(w0: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor, main_grad: torch.Tensor):
+    """The row path's output and weight (its main_grad updated, its dummy gradient set)."""
+    w = torch.nn.Parameter(w0.clone())
+    w.main_grad = main_grad.clone()
+    w.grad_added_to_main_grad = False
+    out = embedding_rows_into_main_grad(ids, w)
+    out.backward(dy)
+    return out.detach(), w
+
+
 @pytest.mark.parametrize("kind", ["random", "few", "one", "distinct"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_rows_into_main_grad_is_the_full_add(gen, kind, grad_dtype):
@@ -43,11 +53,7 @@ def test_rows_into_main_grad_is_the_full_add(gen, kind, grad_dtype):
         ids = _ids(kind, (3, 41), gen)
         dy = torch.randn(3, 41, H, generator=gen).to(torch.bfloat16)
         out0, expect = _unfused(w0, ids, dy, main_grad0)
-        w = torch.nn.Parameter(w0.clone())
-        w.main_grad = main_grad0.clone()
-        w.grad_added_to_main_grad = False
-        out = embedding_rows_into_main_grad(ids, w)
-        out.backward(dy)
+        out, w = _rows(w0, ids, dy, main_grad0)
         assert torch.equal(out, out0)
         assert w.grad_added_to_main_grad and w.grad.shape == w.shape  # megatron's dummy: the hook drops it
         assert torch.equal(w.main_grad, expect)  # bits: the values and every zero's sign
@@ -133,10 +139,6 @@ def test_rows_into_main_grad_is_the_full_add_on_cuda(gen, tokens):  # indices, a
     ids = ids.reshape(2, -1).cuda()
     dy = torch.randn(*ids.shape, hidden, generator=gen).to(torch.bfloat16).cuda()
     out0, expect = _unfused(w0, ids, dy, main_grad0)
-    w = torch.nn.Parameter(w0.clone())
-    w.main_grad = main_grad0.clone()
-    w.grad_added_to_main_grad = False
-    out = embedding_rows_into_main_grad(ids, w)
-    out.backward(dy)
+    out, w = _rows(w0, ids, dy, main_grad0)
     assert torch.equal(out, out0)
     assert torch.equal(w.main_grad.view(torch.int32), expect.view(torch.int32))
