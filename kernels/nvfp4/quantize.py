@@ -398,7 +398,7 @@ def _quantize_grouped_kernel(
         if BLOCK_2D:
             # one scale per 16x16 tile: the max over the 16 rows of the row-block maxima
             t = tl.max(_max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15), axis=2)
-            e0, s0 = _block_scale(t, row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e0, s0 = _block_scale(t, row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
             e1, s1 = e0, s0
             e2, s2 = e0, s0
             e3, s3 = e0, s0
@@ -415,22 +415,22 @@ def _quantize_grouped_kernel(
             e14, s14 = e0, s0
             e15, s15 = e0, s0
         else:
-            e0, s0 = _block_scale(tl.max(tl.abs(x0), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e1, s1 = _block_scale(tl.max(tl.abs(x1), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e2, s2 = _block_scale(tl.max(tl.abs(x2), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e3, s3 = _block_scale(tl.max(tl.abs(x3), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e4, s4 = _block_scale(tl.max(tl.abs(x4), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e5, s5 = _block_scale(tl.max(tl.abs(x5), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e6, s6 = _block_scale(tl.max(tl.abs(x6), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e7, s7 = _block_scale(tl.max(tl.abs(x7), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e8, s8 = _block_scale(tl.max(tl.abs(x8), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e9, s9 = _block_scale(tl.max(tl.abs(x9), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e10, s10 = _block_scale(tl.max(tl.abs(x10), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e11, s11 = _block_scale(tl.max(tl.abs(x11), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e12, s12 = _block_scale(tl.max(tl.abs(x12), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e13, s13 = _block_scale(tl.max(tl.abs(x13), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e14, s14 = _block_scale(tl.max(tl.abs(x14), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
-            e15, s15 = _block_scale(tl.max(tl.abs(x15), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e0, s0 = _block_scale(tl.max(tl.abs(x0), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e1, s1 = _block_scale(tl.max(tl.abs(x1), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e2, s2 = _block_scale(tl.max(tl.abs(x2), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e3, s3 = _block_scale(tl.max(tl.abs(x3), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e4, s4 = _block_scale(tl.max(tl.abs(x4), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e5, s5 = _block_scale(tl.max(tl.abs(x5), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e6, s6 = _block_scale(tl.max(tl.abs(x6), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e7, s7 = _block_scale(tl.max(tl.abs(x7), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e8, s8 = _block_scale(tl.max(tl.abs(x8), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e9, s9 = _block_scale(tl.max(tl.abs(x9), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e10, s10 = _block_scale(tl.max(tl.abs(x10), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e11, s11 = _block_scale(tl.max(tl.abs(x11), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e12, s12 = _block_scale(tl.max(tl.abs(x12), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e13, s13 = _block_scale(tl.max(tl.abs(x13), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e14, s14 = _block_scale(tl.max(tl.abs(x14), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e15, s15 = _block_scale(tl.max(tl.abs(x15), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
         c0 = _row_quant(x0, e0, s0, 0, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
                               row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
                               ROW_VALUES, VALUES_BF16, row_values_ptr)
@@ -514,7 +514,7 @@ def _quantize_grouped_kernel(
                     x15 = round_to_bf16_x2(x15, ASM, NATIVE_CVT)
             cmax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
             if IS_BF16:
-                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT, True, col_tab)
+                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT, not COL_VALUES, col_tab)
             else:
                 # fp32 input: the encode scale by division, not by the table. The lookup is
                 # a gather load; Triton 3.6 anchors the rest of the columnwise copy to its layout (4 warps

@@ -56,25 +56,22 @@ def test_gemm_engine_is_validated_once_with_the_choices():
         compose_config("table", ["precision.gemm_engine=cuBLAS"])
 
 
-def test_direct_dequant_reaches_every_quantized_recipe_and_round_trips():
-    """precision.direct_dequant: off by default; on, every quantized recipe of the map has it (bf16 ones do not
-    quantize), names unchanged; recorded in the run's config.yaml and read back from it; a wrong type is one line
-    naming the key."""
-    from omegaconf import OmegaConf
+def test_direct_dequant_is_refused_and_reaches_every_quantized_recipe_of_a_map():
+    """precision.direct_dequant: off by default, and ``true`` is refused in one line (its quantize kernel failed its
+    bitwise GPU tests, docs/benchmarks.md); the layer map still takes it (the kernels' own tests): every quantized
+    recipe of the map has it (bf16 ones do not quantize), names unchanged; a wrong type is one line naming the key."""
+    from nvfp4_train.precision.layer_map import LayerPrecisionMap, PrecisionRule
 
     cfg = compose_config("table", ["model=12b", "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
     assert cfg.precision.direct_dequant is False
     assert not any(r.direct_dequant for r in cfg.precision.layer_map(cfg.model.pattern).recipes.values())
-    cfg = compose_config("table", ["model=12b", "precision.direct_dequant=true",
-                                   "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
-    m = cfg.precision.layer_map(cfg.model.pattern)
+    with pytest.raises(ValueError, match=r"^precision.direct_dequant=true is refused: .*leave it false$") as info:
+        compose_config("table", ["model=12b", "precision.direct_dequant=true"])
+    assert "\n" not in str(info.value)
+    m = LayerPrecisionMap(cfg.model.pattern, "nvfp4", rules=[PrecisionRule(recipe="mxfp4", blocks="10")],
+                          direct_dequant=True)
     assert {n: r.direct_dequant for n, r in m.recipes.items()} == {"bf16": False, "nvfp4": True, "mxfp4": True}
     assert m.run_recipe.name == "nvfp4"
-    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))  # what the trainer writes as config.yaml
-    assert "direct_dequant: true" in text
-    back = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig),
-                                               OmegaConf.create(text).precision))
-    assert back == cfg.precision and back.direct_dequant is True
     with pytest.raises(ValueError, match=r"^precision.direct_dequant=1 must be a bool \(true or false\)$"):
         PrecisionConfig(recipe="nvfp4", direct_dequant=1)
     with pytest.raises(ValueError, match=r"precision.direct_dequant expects bool") as info:
