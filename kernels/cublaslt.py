@@ -24,9 +24,18 @@ Accumulation (``accumulate=True``, beta = 1 read from the device): ``D = fl32(al
 epilogue, C = D's old contents: the weight-gradient GEMM adds straight into megatron's fp32 ``main_grad``
 (``nvfp4_train.mcore_compat.wgrad``) instead of writing a bf16 gradient that a second pass adds.
 
-Per (device, shape, dtypes, leading dimensions, pointer alignments) the descriptors and the algorithm the
-heuristic picks are built once and kept; per (device, stream) one 32 MiB workspace. A call then costs one
-``cublasLtMatmul`` (and no host-device synchronization); it can be captured in a CUDA graph.
+FP8 operands (:func:`matmul_fp8_scaled`): E4M3/E5M2 A and B, both K-contiguous (Hopper's FP8 tensor cores take
+only the "TN" form), each with its decode scales read by the GEMM: one fp32 scalar per tensor
+(``SCALE_SCALAR_32F``), one per 128 elements along K (``SCALE_VEC128_32F``, DeepSeek's 1x128) or per 128x128 tile
+(``SCALE_BLK128x128_32F``), cuBLASLt 12.9 and later; the scale arrays in the layouts ``torch.nn.functional.scaled_mm``
+hands cuBLASLt (``nvfp4_train.kernels.fp8.gemm``). The accumulator is promoted to fp32 per 128-long K block (no fast
+accumulation), the scales applied there, and the epilogue adds C (beta = 1): the FP8 Wgrad GEMM adds into the fp32
+``main_grad`` as the NVFP4 and bf16 ones do.
+
+Per (device, shape, dtypes, scale modes, leading dimensions, pointer alignments) the descriptors and the algorithm
+the heuristic picks are built once and kept; per (device, stream) one 32 MiB workspace. A call then costs one
+``cublasLtMatmul`` (and no host-device synchronization); it can be captured in a CUDA graph. The FP8 scale pointers
+are the call's own: they are set on the kept descriptor and the GEMM launched under one lock.
 """
 
 from __future__ import annotations
@@ -38,15 +47,20 @@ import threading
 
 import torch
 
-__all__ = ["matmul_device_alpha", "supported_dtypes"]
+__all__ = ["matmul_device_alpha", "matmul_fp8_scaled", "supported_dtypes", "SCALE_SCALAR_32F", "SCALE_VEC128_32F",
+           "SCALE_BLK128x128_32F"]
 
 # cublasComputeType_t, cudaDataType_t, cublasOperation_t, cublasLtPointerMode_t (cublas_api.h, library_types.h)
 _COMPUTE_32F = 68
-_R_32F, _R_16F, _R_16BF = 0, 2, 14
+_R_32F, _R_16F, _R_16BF, _R_8F_E4M3, _R_8F_E5M2 = 0, 2, 14, 28, 29
 _OP_N, _OP_T = 0, 1
 _POINTER_MODE_DEVICE = 1
 # cublasLtMatmulDescAttributes_t
 _DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 2, 3, 4
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_FAST_ACCUM = 17, 18, 25
+_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
+# cublasLtMatmulMatrixScale_t: how a scale pointer is read (cublasLt.h, cuBLAS 12.9)
+SCALE_SCALAR_32F, SCALE_VEC128_32F, SCALE_BLK128x128_32F = 0, 4, 5
 # cublasLtMatmulPreferenceAttributes_t
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_REDUCTION_SCHEME_MASK = 3
@@ -55,7 +69,10 @@ _PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}
 _REDUCTION_SCHEME_COMPUTE_TYPE = 2
 
 _WORKSPACE_BYTES = 32 * 1024 * 1024
-_DTYPE_CODE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+_DTYPE_CODE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F,
+               torch.float8_e4m3fn: _R_8F_E4M3, torch.float8_e5m2: _R_8F_E5M2}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_OUT = (torch.bfloat16, torch.float32)
 # (A/B dtype, D dtype) pairs cuBLASLt runs with fp32 compute and fp32 scale
 _SUPPORTED = {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
               (torch.float16, torch.float16), (torch.float16, torch.float32)}
@@ -178,12 +195,26 @@ def _alignment(t: torch.Tensor) -> int:
     return min(256, addr & -addr) if addr else 256
 
 
+def _set_attr(desc: ctypes.c_void_p, attr: int, v) -> None:
+    lib = _STATE.lib
+    lib.check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), ctypes.sizeof(v)),
+              f"cublasLtMatmulDescSetAttribute({attr})")
+
+
+def _set_scale_pointers(desc: ctypes.c_void_p, a_scale: torch.Tensor, b_scale: torch.Tensor) -> None:
+    """Our A's decode scales are cuBLAS's B scales, our B's its A scales."""
+    _set_attr(desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data_ptr()))
+    _set_attr(desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
+
+
 def _plan(handle: ctypes.c_void_p, dev: int, M: int, N: int, K: int, a_lay: tuple[bool, int],
-          b_lay: tuple[bool, int], ab_dtype, d_dtype, aligns: tuple) -> tuple:
+          b_lay: tuple[bool, int], ab_dtype, d_dtype, aligns: tuple, scaling: tuple | None = None) -> tuple:
     """(desc, layout of cuBLAS's A = our B, of cuBLAS's B = our A, of D, heuristic result), built once.
-    ``a_lay``/``b_lay``: (K-contiguous, leading dimension) of our A [M, K] and B [N, K] (see :func:`_layout`)."""
+    ``a_lay``/``b_lay``: (K-contiguous, leading dimension) of our A [M, K] and B [N, K] (see :func:`_layout`).
+    ``scaling`` (FP8 operands): (our A's scale mode, our B's, our A's scales, our B's); the modes are part of the
+    plan, the scales are this call's (set again by every call)."""
     st = _STATE
-    key = (dev, M, N, K, a_lay, b_lay, ab_dtype, d_dtype, aligns)
+    key = (dev, M, N, K, a_lay, b_lay, ab_dtype, d_dtype, aligns, None if scaling is None else scaling[:2])
     plan = st.plans.get(key)
     if plan is not None:
         return plan
@@ -196,9 +227,13 @@ def _plan(handle: ctypes.c_void_p, dev: int, M: int, N: int, K: int, a_lay: tupl
     # stored K x M (as is), with M contiguous M x K (transposed).
     trans_a, trans_b = (_OP_T if b_krow else _OP_N), (_OP_N if a_krow else _OP_T)
     for attr, value in ((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE), (_DESC_TRANSA, trans_a), (_DESC_TRANSB, trans_b)):
-        v = ctypes.c_int32(value)
-        lib.check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), ctypes.sizeof(v)),
-                  f"cublasLtMatmulDescSetAttribute({attr})")
+        _set_attr(desc, attr, ctypes.c_int32(value))
+    if scaling is not None:
+        a_mode, b_mode, a_scale, b_scale = scaling
+        _set_attr(desc, _DESC_A_SCALE_MODE, ctypes.c_int32(b_mode))
+        _set_attr(desc, _DESC_B_SCALE_MODE, ctypes.c_int32(a_mode))
+        _set_attr(desc, _DESC_FAST_ACCUM, ctypes.c_int8(0))  # promote to fp32 per K block (no fast accumulation)
+        _set_scale_pointers(desc, a_scale, b_scale)
     layouts = []
     b_rows, b_cols = (K, N) if b_krow else (N, K)
     a_rows, a_cols = (K, M) if a_krow else (M, K)
@@ -227,8 +262,9 @@ def _plan(handle: ctypes.c_void_p, dev: int, M: int, N: int, K: int, a_lay: tupl
     finally:
         lib.cublasLtMatmulPreferenceDestroy(pref)
     if count.value < 1 or result.state != 0:
+        how = "alpha on the device" if scaling is None else f"scale modes {scaling[:2]}"
         raise RuntimeError(f"cuBLASLt has no algorithm for D[{M}, {N}] = A[{M}, {K}] . B[{N}, {K}]^T with "
-                           f"{ab_dtype} operands, {d_dtype} output and alpha on the device")
+                           f"{ab_dtype} operands, {d_dtype} output and {how}")
     plan = (desc, layouts[0], layouts[1], layouts[2], result)
     st.plans[key] = plan
     return plan
@@ -301,13 +337,97 @@ def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | 
         stream = torch.cuda.current_stream(dev).cuda_stream
         ws = _workspace(dev, stream)
         zero, one = _constants(dev)
+    _launch(handle, plan, dev, alpha if alpha is not None else one, a, b, one if accumulate else zero, out, ws,
+            stream)
+    return out
+
+
+def _launch(handle, plan: tuple, dev: int, alpha: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+            beta: torch.Tensor, out: torch.Tensor, ws: torch.Tensor, stream: int) -> None:
+    """One ``cublasLtMatmul`` of ``plan``: D = out = alpha * (a . b^T) + beta * out."""
     desc, lay_b, lay_a, lay_d, result = plan
     lib = _STATE.lib
-    beta = one if accumulate else zero
     # cuBLASLt launches on the current device: make it the operands' for the call
     with torch.cuda.device(dev) if torch.cuda.current_device() != dev else contextlib.nullcontext():
-        lib.check(lib.cublasLtMatmul(handle, desc, (alpha if alpha is not None else one).data_ptr(), b.data_ptr(),
-                                     lay_b, a.data_ptr(), lay_a, beta.data_ptr(), out.data_ptr(), lay_d,
-                                     out.data_ptr(), lay_d, ctypes.byref(result), ws.data_ptr(), _WORKSPACE_BYTES,
-                                     stream), "cublasLtMatmul")
+        lib.check(lib.cublasLtMatmul(handle, desc, alpha.data_ptr(), b.data_ptr(), lay_b, a.data_ptr(), lay_a,
+                                     beta.data_ptr(), out.data_ptr(), lay_d, out.data_ptr(), lay_d,
+                                     ctypes.byref(result), ws.data_ptr(), _WORKSPACE_BYTES, stream),
+                  "cublasLtMatmul")
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def _check_fp8_scale(name: str, s: torch.Tensor, mode: int, rows: int, k: int, device: torch.device) -> None:
+    """``s`` must hold the decode scales of a [rows, k] operand as cuBLASLt reads them in ``mode``."""
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.device != device:
+        raise ValueError(f"matmul_fp8_scaled: {name}'s scales must be a float32 tensor on {device}")
+    kb = k // 128
+    if mode == SCALE_SCALAR_32F:
+        ok, want = s.numel() == 1, "1 element"
+    elif mode == SCALE_VEC128_32F:  # [rows, K/128], rows contiguous
+        ok = s.shape == (rows, kb) and (s.stride(0) == 1 or rows == 1) and (s.stride(1) == rows or kb == 1)
+        want = f"[{rows}, {kb}] with strides (1, {rows})"
+    elif mode == SCALE_BLK128x128_32F:  # [Kp, rows/128], Kp = K/128 rounded up to 4, K blocks contiguous
+        kp = _round_up(kb, 4)
+        rb = (rows + 127) // 128
+        ok = s.shape == (kp, rb) and s.stride(0) == 1 and (s.stride(1) == kp or rb == 1)
+        want = f"[{kp}, {rb}] with strides (1, {kp})"
+    else:
+        raise ValueError(f"matmul_fp8_scaled: unknown scale mode {mode} for {name} (SCALE_SCALAR_32F, "
+                         f"SCALE_VEC128_32F or SCALE_BLK128x128_32F)")
+    if mode != SCALE_SCALAR_32F and k % 128:
+        raise ValueError(f"matmul_fp8_scaled: block scales need K a multiple of 128, got K = {k}")
+    if not ok:
+        raise ValueError(f"matmul_fp8_scaled: {name}'s scales must be {want} for mode {mode}, got "
+                         f"{tuple(s.shape)} with strides {s.stride()}")
+
+
+def matmul_fp8_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, a_mode: int, b_scale: torch.Tensor,
+                      b_mode: int, out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                      accumulate: bool = False) -> torch.Tensor:
+    """``D[M, N] = round_to_out_dtype(sum_k (a[m, k] sa) (b[n, k] sb) (+ C))`` by one cuBLASLt call: A [M, K] and
+    B [N, K] FP8 (one dtype, E4M3 or E5M2), row-major (K contiguous, leading dimensions multiples of 16);
+    ``a_scale``/``b_scale`` their fp32 decode scales read in ``a_mode``/``b_mode`` (``SCALE_SCALAR_32F``: one
+    element; ``SCALE_VEC128_32F``: [R, K/128] stored R-contiguous; ``SCALE_BLK128x128_32F``: [Kp, R/128] stored
+    K-block-contiguous, Kp = K/128 rounded up to 4; R = M for A, N for B). The partial sums are promoted to fp32
+    per 128-long K block, where the block scales apply. ``out_dtype`` fp32 or bf16; ``out`` and ``accumulate`` as
+    :func:`matmul_device_alpha` (beta = 1: ``D = fl32(acc) + C``, C the old contents of ``out``). Raises
+    RuntimeError before anything is launched where cuBLASLt has no algorithm for the problem. No host
+    synchronization."""
+    if not (a.is_cuda and b.is_cuda and a.device == b.device):
+        raise ValueError(f"matmul_fp8_scaled runs on one CUDA device, got {a.device} and {b.device}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"matmul_fp8_scaled: A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in _FP8 or b.dtype != a.dtype or out_dtype not in _FP8_OUT:
+        raise TypeError(f"matmul_fp8_scaled: operands of one FP8 dtype ({_FP8}) into one of {_FP8_OUT}, got "
+                        f"{a.dtype}, {b.dtype} into {out_dtype}")
+    M, K = a.shape
+    N = b.shape[0]
+    for name, t in (("A", a), ("B", b)):
+        if t.stride(1) != 1 or t.stride(0) % 16 or K % 16 or K == 0:
+            raise ValueError(f"matmul_fp8_scaled: {name} must be row-major with K (= {K}) and its leading dimension "
+                             f"multiples of 16 (Hopper's FP8 GEMM reads both operands K-contiguous); got strides "
+                             f"{t.stride()}")
+    _check_fp8_scale("A", a_scale, a_mode, M, K, a.device)
+    _check_fp8_scale("B", b_scale, b_mode, N, K, a.device)
+    if accumulate and out is None:
+        raise ValueError("matmul_fp8_scaled: accumulate=True adds into out: pass the tensor to add into as out")
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != a.device:
+        raise ValueError(f"matmul_fp8_scaled: out must be a contiguous [{M}, {N}] {out_dtype} tensor on {a.device}")
+    if M == 0 or N == 0:
+        return out
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    with _STATE.lock:  # the scale pointers live on the kept descriptor: set them and launch as one
+        handle = _handle(dev)
+        plan = _plan(handle, dev, M, N, K, (True, a.stride(0)), (True, b.stride(0)), a.dtype, out_dtype,
+                     (_alignment(b), _alignment(a), _alignment(out)), (a_mode, b_mode, a_scale, b_scale))
+        _set_scale_pointers(plan[0], a_scale, b_scale)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        ws = _workspace(dev, stream)
+        zero, one = _constants(dev)
+        _launch(handle, plan, dev, one, a, b, one if accumulate else zero, out, ws, stream)
     return out

@@ -196,7 +196,8 @@ class QuantLinearFunction(torch.autograd.Function):
 
 def _wgrad_into_main_grad(a: Operand, b: Operand, weight: torch.Tensor, engine: str) -> bool:
     """Add the Wgrad GEMM ``a . b^T`` into ``weight.main_grad`` in the GEMM's epilogue when one GEMM can (a CUDA
-    weight with megatron's gradient buffer; bf16 operands, or NVFP4 on the cuBLASLt engine; an unpadded weight);
+    weight with megatron's gradient buffer; bf16 operands, NVFP4 on the cuBLASLt engine, or FP8 where cuBLASLt's
+    scaled FP8 GEMM takes the pair (``fp8_gemm_accumulate``); an unpadded weight);
     returns whether it did. Otherwise the caller computes the gradient and megatron's DDP hook adds it."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None or not main_grad.is_cuda or a.format != b.format:
@@ -218,6 +219,10 @@ def _wgrad_into_main_grad(a: Operand, b: Operand, weight: torch.Tensor, engine: 
 
         nvfp4_gemm_accumulate(a.data, b.data, main_grad)
         return True
+    if a.format == "fp8_e4m3":
+        from nvfp4_train.kernels.fp8 import fp8_gemm_accumulate
+
+        return fp8_gemm_accumulate(a.data, b.data, main_grad)  # False where cuBLASLt cannot (kernels/fp8/gemm.py)
     return False
 
 

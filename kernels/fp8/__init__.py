@@ -15,6 +15,7 @@ pure-PyTorch reference otherwise; both give the same bits):
     transpose_fp8(q)                                   # per-tensor / 128x128 only: the same values, transposed
     fp8_gemm(a, b, out_dtype=torch.bfloat16)           # C[M, N] = A[M, K] . B[N, K]^T
     fp8_gemm_backend(a, b)                             # which implementation fp8_gemm takes, by name
+    fp8_gemm_accumulate(a, b, c)                       # c += A . B^T in the GEMM's epilogue (fp32 c, CUDA)
 
 Tensor parallelism (per-tensor scaling only; block scales are local): ``amax_group`` all-reduces the raw
 amax with MAX over that process group before quantizing, so the scale does not depend on the TP size.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from nvfp4_train.kernels._dispatch import use_triton
-from nvfp4_train.kernels.fp8.gemm import BACKENDS, blockwise_supported, fp8_gemm, fp8_gemm_backend
+from nvfp4_train.kernels.fp8.gemm import BACKENDS, blockwise_supported, fp8_gemm, fp8_gemm_accumulate, fp8_gemm_backend
 from nvfp4_train.kernels.fp8.reference import (
     BLOCK,
     FP8Tensor,
@@ -57,6 +58,7 @@ __all__ = [
     "transpose_fp8",
     "fp8_gemm",
     "fp8_gemm_backend",
+    "fp8_gemm_accumulate",
     "blockwise_supported",
     "quantize_fp8_ref",
     "quantize_fp8_tensorwise_ref",

@@ -25,6 +25,14 @@ Support for each native blockwise pair is probed once per (device, pair, Kb % 4 
 tiny GEMM on exactly summable inputs (small integers, power-of-two scales) that must equal the emulation
 bit for bit; a refusal or a mismatch (a scale layout read differently) selects the fallback with a warning.
 
+``fp8_gemm_accumulate(a, b, c)`` adds ``A . B^T`` into an fp32 ``c`` in the GEMM's epilogue (cuBLASLt, beta = 1,
+``nvfp4_train.kernels.cublaslt.matmul_fp8_scaled``): the Wgrad GEMM into megatron's ``main_grad`` without a bf16
+gradient and a second pass. The same scalings and scale layouts as ``scaled_mm_blockwise`` /
+``scaled_mm_tensorwise`` (a 128x128 x 128x128 pair runs as 1x128 x 128x128); probed once per (device, pair,
+Kb % 4 == 0) with exactly summable operands added into a C of small integers, which must equal C + the emulation
+bit for bit. Where the probe fails, the shape is not one Hopper's FP8 GEMM takes, or cuBLASLt has no algorithm for
+it, it returns False having written nothing, and the caller computes the gradient as before.
+
 Accuracy against the emulation (the bound the GPU tests use): cuBLAS sums each 128-long K block in the
 tensor-core accumulator, multiplies by the two block scales and accumulates in fp32. Taking the Hopper
 FP8 accumulator's precision as >= 13 fraction bits (u_tc = 2^-13; DeepSeek-V3 measured ~14 bits) and
@@ -41,6 +49,9 @@ import warnings
 import torch
 
 from nvfp4_train.kernels.fp8.reference import BLOCK, FP8Tensor, fp8_gemm_ref, m_major
+
+__all__ = ["BACKENDS", "fp8_gemm", "fp8_gemm_backend", "fp8_gemm_accumulate", "blockwise_supported",
+           "native_blockwise_pair", "cublas_scales"]
 
 BACKENDS = ("scaled_mm_blockwise", "scaled_mm_tensorwise", "scaled_mm_rowwise_per_kblock", "emulated_fp64")
 _ONE_BY = (1, BLOCK)
@@ -245,3 +256,102 @@ def fp8_gemm(
     if backend == "scaled_mm_tensorwise" and (a.block is not None or b.block is not None):
         raise ValueError("scaled_mm_tensorwise needs both operands scaled per tensor (block=None)")
     return _IMPLS[backend](a, b, out_dtype)
+
+
+# ------------------------------------------------------------------ accumulate into an fp32 C (Wgrad into main_grad)
+
+_unsupported_shapes: set[tuple] = set()
+
+
+def cublas_scales(a: FP8Tensor, b: FP8Tensor) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+    """(A's scales, A's cuBLASLt scale mode, B's scales, B's mode) of the GEMM ``A . B^T``: per tensor when both
+    operands are, else the native blockwise pair (``native_blockwise_pair``) in the layouts of
+    ``scaled_mm_blockwise``."""
+    from nvfp4_train.kernels.cublaslt import SCALE_BLK128x128_32F, SCALE_SCALAR_32F, SCALE_VEC128_32F
+
+    if a.block is None and b.block is None:
+        return (a.scale_inv.to(torch.float32).reshape(1), SCALE_SCALAR_32F,
+                b.scale_inv.to(torch.float32).reshape(1), SCALE_SCALAR_32F)
+    out = []
+    for q, form in zip((a, b), native_blockwise_pair(a, b)):
+        if form == "128x128":
+            out += [scale_128x128_operand(q), SCALE_BLK128x128_32F]
+        else:
+            out += [scale_1x128_operand(q), SCALE_VEC128_32F]
+    return tuple(out)
+
+
+def _accumulate_pair(a: FP8Tensor, b: FP8Tensor) -> tuple:
+    if a.block is None and b.block is None:
+        return ("tensor", "tensor")
+    return native_blockwise_pair(a, b)
+
+
+def _accumulate_probe(key: tuple, pair: tuple, aligned: bool, device) -> bool:
+    """Whether cuBLASLt adds this pair's product into an fp32 C exactly as the emulation says (once per key)."""
+    if key in _probe_cache:
+        return _probe_cache[key]
+    from nvfp4_train.kernels.cublaslt import matmul_fp8_scaled
+
+    blocks = {"tensor": None, "1x128": _ONE_BY, "128x128": _TILE}
+    ok, why = False, ""
+    try:
+        a, b = _probe_operands(blocks[pair[0]], blocks[pair[1]], 256, 256, BLOCK * (4 if aligned else 3), device)
+        g = torch.Generator().manual_seed(4321)
+        c = torch.randint(-64, 65, (256, 256), generator=g).to(torch.float32).to(device)
+        want = c + fp8_gemm_ref(a, b, torch.float32)  # small integers and powers of two: every sum exact in fp32
+        got = c.clone()
+        sa, ma, sb, mb = cublas_scales(a, b)
+        matmul_fp8_scaled(a.data, b.data, sa, ma, sb, mb, torch.float32, out=got, accumulate=True)
+        ok = bool(torch.equal(got, want))
+        if not ok:
+            why = "its result differs from C + the exact emulation on exactly summable inputs (scale layout?)"
+    except (RuntimeError, ValueError, TypeError, OSError) as e:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not ok:
+        warnings.warn(f"FP8 GEMM: accumulating {pair} into fp32 is not usable on {device} ({why}); the Wgrad "
+                      f"GEMM writes its gradient for megatron to add", stacklevel=4)
+    _probe_cache[key] = ok
+    return ok
+
+
+def fp8_gemm_accumulate(a: FP8Tensor, b: FP8Tensor, c: torch.Tensor) -> bool:
+    """``c[M, N] += A[M, K] . B[N, K]^T`` (both operands' decode scales applied, fp32 accumulation) in one cuBLASLt
+    GEMM whose epilogue adds into ``c`` (a contiguous fp32 CUDA tensor): ``c = fl32(acc) + c``. Returns False, with
+    ``c`` untouched, where that GEMM cannot run here (module docstring); the caller then computes the product
+    itself. The first call of a scaling pair probes it (a host read: outside CUDA-graph capture, where an unprobed
+    pair returns False)."""
+    _check_operands(a, b)
+    dev = a.data.device
+    (m, k), n = a.shape, b.shape[0]
+    if (dev.type != "cuda" or c.device != dev or c.dtype != torch.float32 or c.shape != (m, n)
+            or not c.is_contiguous() or a.data.dtype != b.data.dtype):
+        return False
+    pair = _accumulate_pair(a, b)
+    k_step = 16 if pair == ("tensor", "tensor") else BLOCK
+    if not a.data.is_contiguous() or not b.data.is_contiguous() or k % k_step or m % 16 or n % 16 or m == 0 \
+            or n == 0:
+        return False
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < (8, 9) or (pair != ("tensor", "tensor") and cap != (9, 0)):
+        return False
+    aligned = (k // BLOCK) % 4 == 0
+    key = ("accumulate", str(dev), pair, aligned)
+    if key not in _probe_cache and torch.cuda.is_current_stream_capturing():
+        return False
+    if not _accumulate_probe(key, pair, aligned, dev):
+        return False
+    shape_key = (str(dev), pair, m, n, k)
+    if shape_key in _unsupported_shapes:
+        return False
+    from nvfp4_train.kernels.cublaslt import matmul_fp8_scaled
+
+    sa, ma, sb, mb = cublas_scales(a, b)
+    try:
+        matmul_fp8_scaled(a.data, b.data, sa, ma, sb, mb, torch.float32, out=c, accumulate=True)
+    except RuntimeError as e:  # no algorithm: raised before anything is launched
+        _unsupported_shapes.add(shape_key)
+        warnings.warn(f"FP8 GEMM: accumulating [{m}, {k}] x [{n}, {k}] ({pair}) into fp32 is not available "
+                      f"({str(e).splitlines()[0]}); that Wgrad GEMM writes its gradient", stacklevel=2)
+        return False
+    return True
