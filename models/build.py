@@ -15,7 +15,7 @@ from nvfp4_train.models.config import ModelConfig
 from nvfp4_train.mcore_compat.embedding import rows_into_main_grad
 from nvfp4_train.models.fusion import FusionConfig
 from nvfp4_train.models.hybrid import HybridModel, HybridStack
-from nvfp4_train.models.layers import RMSNorm
+from nvfp4_train.models.layers import RMSNorm, hand_input_grad_check_to_norm
 from nvfp4_train.models.pattern import HybridPattern
 from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
 from nvfp4_train.mcore_compat.rope import install_fused_rope
@@ -141,7 +141,7 @@ def build_model(
     the quantized layers (weights are initialised from the RNG state at call time, as megatron does). ``fusion``:
     the fusions the model builds in (``fusion.mamba``: the Mamba mixers' fused op; ``fusion.activation``: the MLPs'
     squared ReLU with two of the non-finite checks in its kernels; ``fusion.rms_norm``: every RMSNorm's backward as
-    one kernel; the others are ``config``'s megatron switches, see :func:`transformer_config`); None: none.
+    one kernel, a block's norm running the input-gradient check of the linear layer it feeds; the others are ``config``'s megatron switches, see :func:`transformer_config`); None: none.
     """
     if layer_map.num_blocks != model_cfg.num_layers:
         raise ValueError(f"layer precision map covers {layer_map.num_blocks} blocks, model has {model_cfg.num_layers}")
@@ -168,6 +168,13 @@ def build_model(
         for module in model.modules():  # every block's norm and the final norm
             if isinstance(module, RMSNorm):
                 module.fused_backward = True
+        for layer in model.decoder.layers:  # a block's norm feeds one linear layer: its backward checks that input
+            attention, mlp, mixer = (getattr(layer, n, None) for n in ("self_attention", "mlp", "mixer"))
+            for norm_name, consumer in (("input_layernorm", getattr(attention, "linear_qkv", None)),
+                                        ("pre_mlp_layernorm", getattr(mlp, "linear_fc1", None)),
+                                        ("norm", getattr(mixer, "in_proj", None))):
+                if consumer is not None:
+                    hand_input_grad_check_to_norm(getattr(layer, norm_name, None), consumer)
     if fusion is not None and fusion.wgrad_accumulation and pre_process:
         # the word embedding's gradient rows into main_grad too (no [vocab, hidden] gradient, no full-table add)
         rows_into_main_grad(model.embedding.word_embeddings)

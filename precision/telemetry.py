@@ -78,6 +78,8 @@ __all__ = [
     "first_nonfinite_layer",
     "nonfinite_events",
     "reset_nonfinite",
+    "probe_input_grad",
+    "probe_grad",
 ]
 
 OPERAND_NAMES = ("fprop.x", "fprop.W", "dgrad.dy", "wgrad.x_col", "wgrad.dy_col")
@@ -252,6 +254,15 @@ class _InputGradProbe(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         ctx.tel.check_input_grad(g)
         return g, None
+
+
+def probe_grad(x: torch.Tensor, tel: LayerTelemetry) -> torch.Tensor:
+    """``x`` itself, with the gradient flowing back through it checked as ``tel``'s layer input gradient whatever
+    ``tel.input_grad_check_by_producer`` says: for the producer that took the check over and runs it here (on a
+    path without its fused kernel)."""
+    if not tel.check_nonfinite or not x.requires_grad:
+        return x
+    return _InputGradProbe.apply(x, tel)
 
 
 def probe_input_grad(x: torch.Tensor, tel: LayerTelemetry) -> torch.Tensor:

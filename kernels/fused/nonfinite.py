@@ -59,6 +59,7 @@ from nvfp4_train.kernels.fused.nonfinite_reference import (
 __all__ = [
     "NEVER",
     "check_nonfinite_args",
+    "check_folded_check_args",
     "kernel_takes",
     "new_arrivals",
     "track_nonfinite",
@@ -175,6 +176,19 @@ def check_nonfinite_args(kept: torch.Tensor | None, t: torch.Tensor, arrivals: t
     if kept is not None and (kept.dtype != torch.float64 or kept.dim() != 0 or kept.device != t.device):
         raise ValueError(f"kept is a {kept.dtype} of shape {tuple(kept.shape)} on {kept.device}: pass the 0-d "
                          f"float64 tensor on {t.device} a previous call returned (or None)")
+
+
+def check_folded_check_args(check, t: torch.Tensor) -> None:
+    """What a kernel that folds ``check`` (a ``NonfiniteCheck``) into its own pass over ``t`` needs: the counter
+    and kept time of :func:`check_nonfinite_args`, and a device clock that is a 0-d float64 tensor on t's device
+    with a kept time to update."""
+    kept, clock = check.kept, check.clock
+    check_nonfinite_args(kept, t, check.arrivals)
+    if clock is not None and (clock.dtype != torch.float64 or clock.dim() != 0 or clock.device != t.device
+                              or kept is None):
+        raise ValueError(f"check.clock is a {clock.dtype} of shape {tuple(clock.shape)} on {clock.device} with "
+                         f"kept={None if kept is None else 'a tensor'}: the device clock needs a 0-d float64 clock "
+                         f"and kept on {t.device}")
 
 
 def _launch(t: torch.Tensor, kept: torch.Tensor, clock: torch.Tensor, arrivals: torch.Tensor, now: int,

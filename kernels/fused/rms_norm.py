@@ -14,9 +14,9 @@ into contiguous bands (``rms_norm_reference.row_bands``); on the GPU program p w
 reads x, dy and r, sums the row's ``g * xh`` (``tl.sum``), writes dx (rounded once, to nearest-even) and adds
 ``dy * xh`` into its fp32 accumulator [H], written once, as row p of an fp32 [programs, H] buffer. A ``torch.sum``
 over the programs and a cast to the weight's dtype finish dw. (Under the interpreter, whose time is per operation,
-a program takes 16 rows a step, each row position with its own accumulator: ``rows_per_step``.) No atomics: the
-partition depends on M and the GPU's multiprocessor count only, and every sum has one order, so a run gives the
-same bits every time.
+a program takes 16 rows a step, each row position with its own accumulator: ``rows_per_step``.) No atomics in dx
+or dw: the partition depends on M and the GPU's multiprocessor count only, and every sum has one order, so a run
+gives the same bits every time.
 The launch sets ``enable_fp_fusion=False`` (no product contracted into an add, as the reference rounds each);
 ``c = S / H`` is a correctly rounded division (``div_rn``; the GPU's fp32 ``/`` approximates). Against the
 reference the weight gradient is bitwise (same bands, lanes and row order); dx is within the bound of
@@ -43,6 +43,22 @@ and dy twice (once per kernel), and its weight-gradient kernel runs at a fractio
 
 Three launches (the kernel, the partials' sum, the cast) against aten's two.
 
+The non-finite check of dy (optional, ``check``: a ``NonfiniteCheck`` of either clock) is ``nonfinite.py``'s,
+folded in as ``squared_relu.py`` folds it. While a program walks its band it keeps, in an int32 register tile
+[ROWS, BLOCK_H], the max of the exponent fields (``bits & 0x7F800000``) of the fp32 dy values it loaded: widening
+bf16/fp16 to fp32 is exact and maps NaN/±Inf to NaN/±Inf, so the field is all ones exactly for them, and masked
+columns and rows past the band load 0. After its last row the program ends with ``nonfinite.track_nonfinite_tail``:
+one atomic per program on the check's counter; the last program to arrive updates ``kept`` (and the clock). Every
+program runs the tail once, after its loop; no band is empty (``row_bands`` counts only programs that hold a row).
+The same times as ``track_nonfinite_triton`` / ``track_nonfinite_clocked_triton`` of dy, for a NaN/±Inf anywhere in
+it. What it costs: no byte (dy is read for dx anyway), an AND and an integer max per element (sm_90, bf16: the loop
+over rows grows from 175 to 192 instructions at H = 2048, 8 warps, and from 173 to 188 at H = 768, 4 warps; no
+register spills either way), one cross-thread max and one atomic per program (512 programs for both shapes above);
+dx and dw are the same bits with the check and without it. Without ``check`` the check is compiled out
+(``CHECK``): not an instruction of it, no atomic. Nothing is allocated for the check in the device-clock form;
+the host-clock form allocates ``kept`` when it is None, as ``track_nonfinite_triton`` does. An empty dy launches no
+check (the device clock still advances: it counts checks).
+
 The kernel runs where ``nvfp4_train.kernels._dispatch.use_triton(x)`` (CUDA tensors; CPU under
 ``TRITON_INTERPRET=1``), the reference otherwise.
 """
@@ -55,6 +71,8 @@ import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import use_triton
 from nvfp4_train.kernels.fused._elements import KIND, load_f32, store_rounded
+from nvfp4_train.kernels.fused.nonfinite import NEVER, check_folded_check_args, track_nonfinite_tail
+from nvfp4_train.kernels.fused.nonfinite_reference import NonfiniteCheck
 from nvfp4_train.kernels.fused.rms_norm_reference import (
     check_rms_norm_backward_args,
     rms_norm_backward_ref,
@@ -62,20 +80,24 @@ from nvfp4_train.kernels.fused.rms_norm_reference import (
     rows_per_step,
 )
 
-__all__ = ["MAX_HIDDEN", "rms_norm_backward", "rms_norm_backward_triton", "rms_norm_backward_ref"]
+__all__ = ["MAX_HIDDEN", "NonfiniteCheck", "rms_norm_backward", "rms_norm_backward_triton", "rms_norm_backward_ref"]
 
 MAX_HIDDEN = 1 << 16
 """A row lives in registers: BLOCK_H fp32 values per tensor spread over the program's threads."""
+_EXP32 = tl.constexpr(0x7F800000)  # fp32's exponent field: all ones exactly for NaN and ±Inf
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["now"])
 def _rms_norm_bwd_kernel(
-    dy_ptr, x_ptr, rstd_ptr, w_ptr, dx_ptr, part_ptr, M, H, band,
+    dy_ptr, x_ptr, rstd_ptr, w_ptr, dx_ptr, part_ptr, M, H, band, kept_ptr, clock_ptr, arrivals_ptr, now,
     BLOCK_H: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr, W_KIND: tl.constexpr, NATIVE: tl.constexpr,
+    CHECK: tl.constexpr, CLOCKED: tl.constexpr, FRESH: tl.constexpr, NEVER_F: tl.constexpr,
 ):
     """Rows [program_id(0) * band, +band) of M, ROWS at a time: dx of each, and ROWS weight-gradient partials
     (lane k: the rows k mod ROWS from the band's start, in row order; rows program_id(0) * ROWS + k of part
-    [programs * ROWS, H] fp32). A row past the band loads zeros and adds +0 (the reference's padding)."""
+    [programs * ROWS, H] fp32). A row past the band loads zeros and adds +0 (the reference's padding). With CHECK,
+    the program ends with the non-finite check's tail over the exponent fields of the dy it loaded (module
+    docstring)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)[None, :]
     cmask = cols < H
@@ -83,6 +105,7 @@ def _rms_norm_bwd_kernel(
     w = load_f32(w_ptr + cols, cmask, W_KIND)
     h = tl.full([ROWS], H, tl.float32)
     acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    seen = tl.zeros([ROWS, BLOCK_H], dtype=tl.int32)  # CHECK: max of dy's exponent fields (0 where masked)
     start = pid.to(tl.int64) * band
     end = tl.minimum(start + band, M)
     for i in range(0, (end - start + ROWS - 1) // ROWS):
@@ -98,7 +121,12 @@ def _rms_norm_bwd_kernel(
         c = tl.math.div_rn(tl.sum(g * xh, axis=1), h)  # [ROWS]; masked columns add +0
         store_rounded(dx_ptr + offs, r * (g - xh * c[:, None]), m, KIND, NATIVE)
         acc = acc + dy * xh
+        if CHECK:
+            seen = tl.maximum(seen, dy.to(tl.int32, bitcast=True) & _EXP32)
     tl.store(part_ptr + (pid.to(tl.int64) * ROWS + lanes) * H + cols, acc, mask=cmask)
+    if CHECK:  # once per program, after the loop: every program of the grid arrives exactly once
+        track_nonfinite_tail(tl.max(seen, axis=0), _EXP32, kept_ptr, clock_ptr, arrivals_ptr, now, NEVER_F, CLOCKED,
+                             FRESH)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -107,35 +135,56 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, *,
-                             programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm_backward_ref(dy, x, rstd, weight, programs=programs)`` in one launch and a sum over the partials:
-    ``(dx [M, H] in x's dtype, dw [H] in the weight's)``."""
+                             programs: int | None = None,
+                             check: NonfiniteCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_backward_ref(dy, x, rstd, weight, programs=programs, check=check)`` in one launch and a sum over
+    the partials: ``(dx [M, H] in x's dtype, dw [H] in the weight's)``; with ``check``, dy checked in the same launch
+    (``check.kept`` updated in place, or set when None; the device clock advanced by one)."""
     check_rms_norm_backward_args(dy, x, rstd, weight)
     m, h = x.shape
     if h > MAX_HIDDEN:
         raise ValueError(f"the RMSNorm backward kernel keeps a row in registers: hidden size {h} > {MAX_HIDDEN}; "
                          f"set fusion.rms_norm=false")
+    if check is not None:
+        check_folded_check_args(check, dy)
     dy, x, rstd, weight = dy.contiguous(), x.contiguous(), rstd.contiguous(), weight.contiguous()
     band, n_prog = row_bands(x, m, programs)
     lanes = rows_per_step(x)
+    if check is not None and dy.numel() == 0:  # nothing to check (no launch for M = 0); the clock counts checks
+        if check.clock is not None:
+            check.clock.add_(1.0)
+        check = None
     dx = torch.empty_like(x)
     if m == 0:
         return dx, torch.zeros(h, dtype=weight.dtype, device=x.device)
     part = torch.empty(n_prog * lanes, h, dtype=torch.float32, device=x.device)
     block_h = max(16, triton.next_power_of_2(h))
     num_warps = 4 if block_h <= 1024 else 8 if block_h <= 4096 else 16
+    kept = clock = arrivals = part  # placeholders: never read without CHECK
+    now = 0
+    clocked = fresh = False
+    if check is not None:
+        clocked, fresh = check.clock is not None, check.kept is None
+        if fresh:
+            check.kept = torch.empty((), dtype=torch.float64, device=x.device)  # the last program writes it
+        kept, arrivals = check.kept, check.arrivals
+        clock = check.clock if clocked else check.kept
+        now = 0 if clocked else int(check.now)
     _rms_norm_bwd_kernel[(n_prog,)](
-        _bits(dy), _bits(x), rstd, _bits(weight), _bits(dx), part, m, h, band,
+        _bits(dy), _bits(x), rstd, _bits(weight), _bits(dx), part, m, h, band, kept, clock, arrivals, now,
         BLOCK_H=block_h, ROWS=lanes, KIND=KIND[x.dtype], W_KIND=KIND[weight.dtype], NATIVE=x.is_cuda,
+        CHECK=check is not None, CLOCKED=clocked, FRESH=fresh, NEVER_F=float(NEVER),
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return dx, part.sum(0).to(weight.dtype)
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, *,
-                      programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      programs: int | None = None,
+                      check: NonfiniteCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm's ``(dx, dw)`` for x and dy [M, H] (bf16/fp16/fp32, one dtype), the forward's fp32 rstd [M] and the
-    weight [H]: the kernel where ``use_triton(x)``, else the reference (module docstring)."""
+    weight [H], and with ``check`` the non-finite check of dy: the kernel where ``use_triton(x)``, else the reference
+    (module docstring)."""
     if use_triton(x):
-        return rms_norm_backward_triton(dy, x, rstd, weight, programs=programs)
-    return rms_norm_backward_ref(dy, x, rstd, weight, programs=programs)
+        return rms_norm_backward_triton(dy, x, rstd, weight, programs=programs, check=check)
+    return rms_norm_backward_ref(dy, x, rstd, weight, programs=programs, check=check)

@@ -39,6 +39,11 @@ additions on its path through any summation tree: each one that can round adds a
 ``|dx_fp32 - dx| <= gamma_a r |g| + gamma_b (r |xh| / H) sum_j |p_j|`` and ``|dw_fp32 - dw| <= gamma_n sum_i |q_i|``;
 the rounding to the output's dtype adds at most u_T (|exact| + that) plus half its smallest subnormal. It assumes no
 fp32 intermediate underflows or overflows (every one is 0 or a normal number).
+
+The non-finite check (``check``: a :class:`~nonfinite_reference.NonfiniteCheck` of either clock, or None) is of dy,
+the norm output's gradient, by :func:`~nonfinite_reference.track_nonfinite_check_ref`: the kept time and the clock
+of ``track_nonfinite_ref`` / ``track_nonfinite_clocked_ref`` of dy. The kernel folds the same check into its launch;
+it changes no bit of dx or dw.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from nvfp4_train.kernels._dispatch import persistent_grid
+from nvfp4_train.kernels.fused.nonfinite_reference import NonfiniteCheck, track_nonfinite_check_ref
 
 __all__ = [
     "RMS_NORM_DTYPES",
@@ -116,9 +122,11 @@ def rows_per_step(x: torch.Tensor) -> int:
 
 
 def rms_norm_backward_ref(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, *,
-                          programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          programs: int | None = None,
+                          check: NonfiniteCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dw)``: dx [M, H] in x's dtype, dw [H] in the weight's, for x and dy [M, H], the forward's fp32 rstd [M]
-    and the weight [H] (module docstring); ``programs``: as :func:`row_bands`."""
+    and the weight [H] (module docstring); ``programs``: as :func:`row_bands`; with ``check``, dy checked
+    (``check.kept`` updated in place, or set when None; the device clock advanced by one)."""
     check_rms_norm_backward_args(dy, x, rstd, weight)
     m, h = x.shape
     r = rstd[:, None]
@@ -136,6 +144,8 @@ def rms_norm_backward_ref(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
     part = torch.zeros(programs, lanes, h, dtype=torch.float32, device=x.device)
     for i in range(steps):
         part = part + q[:, i]
+    if check is not None:
+        track_nonfinite_check_ref(check, dy)
     return dx, part.view(programs * lanes, h).sum(0).to(weight.dtype)
 
 

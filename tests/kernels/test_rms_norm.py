@@ -39,6 +39,13 @@ kernel against the reference (``triton``: the interpreter on CPU, natively on a 
 bit (same bands, lanes and order), dx within the two bounds, and each within its own bound of exact; zeros, row scales
 from 2^-32 to 2^32, H = 784 (768 + 16), 2048, 100, 1, M = 37, 1, 0, programs not dividing M; against aten's CUDA
 ``_fused_rms_norm_backward`` (``gpu``).
+
+The non-finite check of dy (``check``): the reference's and the kernel's kept times, clocks and counters are those of
+``track_nonfinite_ref`` / ``track_nonfinite_clocked_ref`` of dy, bit for bit, for a clean dy and for one NaN, +Inf or
+-Inf in the first row, the last row or a drawn row of the last program (at a random column), on both clocks, with
+``kept`` None or given; dx and dw are the same bits with the check as without it. dy is the head of a buffer whose
+tail holds NaNs, so a masked-out column or a row past M read by mistake would be found. And the kernel compiled for
+sm_90 with and without the check: no register spills, one atomic with it, none without.
 """
 
 from __future__ import annotations
@@ -46,11 +53,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nvfp4_train.bench.sass import have_nvidia_tools
+from nvfp4_train.kernels._dispatch import interpret_mode
+from nvfp4_train.kernels.fused.nonfinite import NEVER, new_arrivals
+from nvfp4_train.kernels.fused.nonfinite_reference import (
+    NonfiniteCheck,
+    track_nonfinite_clocked_ref,
+    track_nonfinite_ref,
+)
 from nvfp4_train.kernels.fused.rms_norm import rms_norm_backward, rms_norm_backward_triton
 from nvfp4_train.kernels.fused.rms_norm_reference import (
     rms_norm_backward_bound,
     rms_norm_backward_exact,
     rms_norm_backward_ref,
+    row_bands,
 )
 
 EPS = 1e-5
@@ -239,3 +255,203 @@ def test_kernel_against_torch_cuda(shape, dtype, gen):
         assert_within(ours[i], theirs[i], b_ours[i] + b_torch[i], f"ours {name} vs torch's")
     again = rms_norm_backward_triton(dy, x, rstd, w)
     assert torch.equal(again[0], ours[0]) and torch.equal(again[1], ours[1])  # the same bits every run
+
+
+# ------------------------------------------------------------------------------------------ the non-finite check of dy
+
+BAD = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+# NaN/±Inf in dy: numpy (the interpreter's arithmetic) warns where IEEE arithmetic gives them
+_nonfinite_warnings = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                                 "ignore:overflow encountered:RuntimeWarning")
+
+
+def _dy_cases(dy: torch.Tensor, programs: int | None, gen: torch.Generator):
+    """``(what, dy)``: dy as drawn, then with one NaN, +Inf or -Inf in the first row, the last row or a drawn row of
+    the last program's band, at a random column: every pair. Each dy is the head of a buffer whose tail, a
+    whole [17, H + 32] past its end, holds NaNs: a masked-out column of the last row, or a row past M, read by
+    mistake would be a NaN found."""
+    m, h = dy.shape
+    band, n_prog = row_bands(dy, m, programs)
+    last = range((n_prog - 1) * band, m)
+    rows = {"first row": 0, "last row": m - 1,
+            "last program": last[int(torch.randint(len(last), (), generator=gen))]}
+    cases = [("finite", None, None)] + [(f"{bad} in the {name} ({row})", bad, row) for bad in BAD
+                                         for name, row in rows.items()]
+    for what, bad, row in cases:
+        buf = torch.full((m * h + 17 * (h + 32),), float("nan"), dtype=dy.dtype, device=dy.device)
+        d = buf[: m * h].view(m, h)
+        d.copy_(dy)
+        if bad is not None:
+            d[row, int(torch.randint(h, (), generator=gen))] = BAD[bad]
+        yield what, d
+
+
+def _three_checks(dev, gen, clocked: bool, fresh: bool) -> list[NonfiniteCheck]:
+    """Three copies of one check (to run it by the kernel, the reference and ``track_nonfinite*_ref``): host clock
+    at a random ``now`` with kept None or a time before, after it or NEVER; device clock from a random start with
+    kept before it, after it or NEVER."""
+    if clocked:
+        start = float(int(torch.randint(2**20, (), generator=gen)))
+        prev = (start - 1, start + 5, float(NEVER))[int(torch.randint(3, (), generator=gen))]
+        return [NonfiniteCheck(torch.tensor(prev, dtype=torch.float64, device=dev), new_arrivals(dev),
+                               clock=torch.tensor(start, dtype=torch.float64, device=dev)) for _ in range(3)]
+    now = int(torch.randint(2**40, (), generator=gen))
+    prev = None if fresh else (now - 3, now + 3, NEVER)[int(torch.randint(3, (), generator=gen))]
+    return [NonfiniteCheck(None if prev is None else torch.tensor(float(prev), dtype=torch.float64, device=dev),
+                           new_arrivals(dev), now=now) for _ in range(3)]
+
+
+def _plain_check(c: NonfiniteCheck, t: torch.Tensor) -> None:
+    """``c`` of t by ``track_nonfinite_ref`` / ``track_nonfinite_clocked_ref`` themselves."""
+    if c.clock is None:
+        c.kept = track_nonfinite_ref(c.kept, t, c.now)
+    else:
+        track_nonfinite_clocked_ref(c.kept, t, c.clock)
+
+
+def _f64_bits(t: torch.Tensor | None) -> int | None:
+    return None if t is None else int(t.cpu().view(torch.int64))
+
+
+def _assert_same_check(got: NonfiniteCheck, want: NonfiniteCheck, what: str) -> None:
+    """The same kept time and clock, bit for bit (a kept tensor where ``want`` has one: 0-d float64), and the counter
+    left zero."""
+    assert _f64_bits(got.kept) == _f64_bits(want.kept), (what, got.kept, want.kept)
+    assert _f64_bits(got.clock) == _f64_bits(want.clock), (what, got.clock, want.clock)
+    if got.kept is not None:
+        assert got.kept.dtype == torch.float64 and got.kept.dim() == 0, what
+    assert int(got.arrivals.cpu()) == 0, what
+
+
+def _same_bits(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return all(torch.equal(_bits(p), _bits(q)) for p, q in zip(a, b))
+
+
+CLOCKS = [("host clock, kept None", False, True), ("host clock, kept given", False, False),
+          ("device clock", True, False)]
+
+
+@_nonfinite_warnings
+def test_reference_check_is_the_non_finite_reference(gen):
+    """``rms_norm_backward_ref(..., check=c)``: c as ``track_nonfinite*_ref`` of dy leave it; dx and dw unchanged."""
+    dy0, x, rstd, w = make_inputs(37, 100, torch.bfloat16, gen)
+    for what, dy in _dy_cases(dy0, None, gen):
+        plain = rms_norm_backward_ref(dy, x, rstd, w)
+        for clock_name, clocked, fresh in CLOCKS:
+            c, want, _ = _three_checks("cpu", gen, clocked, fresh)
+            assert _same_bits(rms_norm_backward_ref(dy, x, rstd, w, check=c), plain), (what, clock_name)
+            _plain_check(want, dy)
+            _assert_same_check(c, want, f"{what}, {clock_name}")
+
+
+@pytest.mark.triton
+@_nonfinite_warnings
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_kernel_check_is_the_references(dtype, triton_device, gen):
+    """37 rows of H = 100 (128 columns loaded, 28 masked) in the interpreter's 4 bands of 10 rows, or bands of a
+    drawn program count (1, 3 or 7: bands not dividing M): the kernel's check of dy, on both clocks, kept None or
+    given, equals the reference's and ``track_nonfinite*_ref``'s; its dx and dw are the same bits with the check and
+    without it, and its dw the reference's."""
+    dev = triton_device
+    programs = (None, 1, 3, 7)[int(torch.randint(4, (), generator=gen))]
+    dy0, x, rstd, w = make_inputs(37, 100, dtype, gen, dev)
+    for what, dy in _dy_cases(dy0, programs, gen):
+        plain = rms_norm_backward_triton(dy, x, rstd, w, programs=programs)
+        assert torch.equal(_bits(plain[1]), _bits(rms_norm_backward_ref(dy, x, rstd, w, programs=programs)[1]))
+        for clock_name, clocked, fresh in CLOCKS:
+            kc, rc, pc = _three_checks(dev, gen, clocked, fresh)
+            got = rms_norm_backward_triton(dy, x, rstd, w, programs=programs, check=kc)
+            assert _same_bits(got, plain), f"{what}, {clock_name}: dx or dw changed by the check"
+            rms_norm_backward_ref(dy, x, rstd, w, programs=programs, check=rc)
+            _plain_check(pc, dy)
+            _assert_same_check(kc, rc, f"{what}, {clock_name}, programs={programs}: kernel vs reference")
+            _assert_same_check(kc, pc, f"{what}, {clock_name}, programs={programs}: kernel vs track_nonfinite")
+
+
+@pytest.mark.triton
+@_nonfinite_warnings
+def test_kernel_check_every_program_arrives(triton_device, gen, monkeypatch):
+    """One row per program (37 programs) and one row a step, the GPU's launch: every program's tail arrives once
+    (the counter back at 0, the verdict of the last program's row found); a NaN in each program's row in turn
+    would be too many launches, so three drawn rows and the last."""
+    from nvfp4_train.kernels.fused import rms_norm as kernel
+    from nvfp4_train.kernels.fused import rms_norm_reference as reference
+
+    for module in (kernel, reference):
+        monkeypatch.setattr(module, "rows_per_step", lambda x: 1)
+    dev = triton_device
+    dy0, x, rstd, w = make_inputs(37, 16, torch.bfloat16, gen, dev)
+    rows = torch.randperm(36, generator=gen)[:3].tolist() + [36]
+    for row in rows:
+        dy = dy0.clone()
+        dy[row, int(torch.randint(16, (), generator=gen))] = BAD[list(BAD)[int(torch.randint(3, (), generator=gen))]]
+        for clock_name, clocked, fresh in CLOCKS:
+            kc, rc, _ = _three_checks(dev, gen, clocked, fresh)
+            got = rms_norm_backward_triton(dy, x, rstd, w, programs=37, check=kc)
+            want = rms_norm_backward_ref(dy, x, rstd, w, programs=37, check=rc)
+            assert torch.equal(_bits(got[1]), _bits(want[1]))
+            _assert_same_check(kc, rc, f"row {row}, {clock_name}")
+
+
+@pytest.mark.triton
+@_nonfinite_warnings  # H = 0: the kernel's c = 0 / 0, never stored
+def test_kernel_check_of_an_empty_dy(triton_device):
+    """No rows (and no columns): nothing launched for the check; kept None stays None, a kept time stays, the device
+    clock still advances by one, as the reference's."""
+    dev = triton_device
+    for m, h in ((0, 784), (3, 0)):
+        dy = torch.zeros(m, h, dtype=torch.bfloat16, device=dev)
+        w = torch.ones(h, dtype=torch.bfloat16, device=dev)
+        rstd = torch.ones(m, device=dev)
+        for kept in (None, 5.0):
+            checks = [NonfiniteCheck(None if kept is None else torch.tensor(kept, dtype=torch.float64, device=dev),
+                                     new_arrivals(dev), now=9) for _ in range(2)]
+            dx, dw = rms_norm_backward_triton(dy, dy, rstd, w, check=checks[0])
+            rms_norm_backward_ref(dy, dy, rstd, w, check=checks[1])
+            assert dx.shape == (m, h) and not dw.any()
+            _assert_same_check(checks[0], checks[1], f"[{m}, {h}], host clock, kept {kept}")
+            assert _f64_bits(checks[0].kept) == (None if kept is None else _f64_bits(torch.tensor(kept).double()))
+        clocks = [torch.tensor(1.0, dtype=torch.float64, device=dev) for _ in range(2)]
+        checks = [NonfiniteCheck(torch.tensor(5.0, dtype=torch.float64, device=dev), new_arrivals(dev), clock=c)
+                  for c in clocks]
+        rms_norm_backward_triton(dy, dy, rstd, w, check=checks[0])
+        rms_norm_backward_ref(dy, dy, rstd, w, check=checks[1])
+        _assert_same_check(checks[0], checks[1], f"[{m}, {h}], device clock")
+        assert float(clocks[0]) == 2.0 and float(checks[0].kept) == 5.0
+
+
+def test_check_arguments_are_refused():
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    r, w = torch.ones(4), torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="new_arrivals"):
+        rms_norm_backward_triton(x, x, r, w, check=NonfiniteCheck(None, now=1))
+    with pytest.raises(ValueError, match="kept is a torch.float32"):
+        rms_norm_backward_triton(x, x, r, w, check=NonfiniteCheck(torch.zeros(()), new_arrivals("cpu")))
+    with pytest.raises(ValueError, match="the device clock needs"):
+        rms_norm_backward_triton(x, x, r, w, check=NonfiniteCheck(None, new_arrivals("cpu"),
+                                                                  clock=torch.zeros((), dtype=torch.float64)))
+
+
+@pytest.mark.skipif(not have_nvidia_tools() or interpret_mode(),
+                    reason="compiling for sm_90 needs ptxas / nvdisasm and Triton's compiler, not its interpreter")
+def test_kernel_compiles_for_sm90_without_spills_with_and_without_the_check():
+    """bf16 at the two models' widths, as launched on the GPU (one row a step; H = 2048 at 8 warps, 768 at 4), on
+    any machine: no local-memory loads or stores (spilled registers) with the check or without it, one atomic with
+    it (either clock), none without."""
+    from nvfp4_train.bench import sass
+    from nvfp4_train.kernels.fused import rms_norm as kernel
+
+    signature = dict(dy_ptr="*i16", x_ptr="*i16", rstd_ptr="*fp32", w_ptr="*i16", dx_ptr="*i16", part_ptr="*fp32",
+                     M="i32", H="i32", band="i32", kept_ptr="*fp64", clock_ptr="*fp64", arrivals_ptr="*i32",
+                     now="i64")
+    for h, block_h, num_warps in ((2048, 2048, 8), (768, 1024, 4)):
+        for check, clocked in ((False, False), (True, False), (True, True)):
+            listing = sass.compile_sass(
+                kernel._rms_norm_bwd_kernel, signature,
+                dict(BLOCK_H=block_h, ROWS=1, KIND=1, W_KIND=1, NATIVE=True, CHECK=check, CLOCKED=clocked,
+                     FRESH=False, NEVER_F=float(NEVER)),
+                divisible=[*(k for k in signature if k.endswith("_ptr")), "M", "H"], num_warps=num_warps,
+                options=dict(enable_fp_fusion=False))
+            ops = sass.count_opcodes(listing)
+            assert ops.get("STL", 0) == ops.get("LDL", 0) == 0, (h, check, clocked, "register spills")
+            assert ops.get("ATOMG", 0) == int(check), (h, check, clocked)
