@@ -23,12 +23,15 @@ field                       megatron-core's switch              what runs instea
 ``activation``              --                                  the MLP's squared ReLU as one kernel per
                                                                 direction that also runs fc1's output check
                                                                 and fc2's input-gradient check (non-finite),
-                                                                reading each tensor once; bitwise megatron's
-                                                                ``squared_relu`` and its autograd
-                                                                (``models/activation.py``)
+                                                                reading each tensor once, and computes the
+                                                                amax fc2's / fc1's quantizer would measure;
+                                                                bitwise megatron's ``squared_relu`` and its
+                                                                autograd (``models/activation.py``)
 ``rms_norm``                --                                  RMSNorm's backward as one kernel: dx and the
                                                                 weight gradient's partials in one pass over
-                                                                x and dy (``kernels/fused/rms_norm.py``)
+                                                                x and dy (``kernels/fused/rms_norm.py``), with
+                                                                the non-finite check of the input gradient of
+                                                                the linear layer the norm feeds
 ==========================  ==================================  ============================================
 
 ``docs/numerics.md`` ("Fused step") states each fusion's arithmetic against the unfused path.
@@ -60,8 +63,11 @@ class FusionConfig:
     activation: bool = False
     """The MLP's squared ReLU (no bias, no gate) as one kernel per direction that runs the non-finite checks of fc1's
     output (forward) and fc2's input gradient (backward) in the same launch, instead of the check's own reads of
-    those tensors (bitwise the unfused values, the same non-finite answers). Off until its GPU tests pass."""
+    those tensors, and, where fc2 / fc1 quantize with a tensor amax (NVFP4, FP8 per tensor), the amax of what it
+    writes for their quantizers, instead of their amax pass (bitwise the unfused values and operands, the same
+    non-finite answers). Off until its GPU tests pass."""
     rms_norm: bool = False
     """RMSNorm's backward as one Triton kernel (dx and per-program fp32 weight-gradient partials, then their sum)
     instead of torch's two (CUDA; the forward is torch's, bit for bit; the gradients within the bound of
-    ``docs/numerics.md``). Off until its GPU tests pass."""
+    ``docs/numerics.md``); a block's norm runs the non-finite check of the input gradient of the linear layer it
+    feeds in that kernel. Off until its GPU tests pass."""

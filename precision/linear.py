@@ -15,6 +15,10 @@ block-scaled bf16/fp16 values, which is what the GEMM's dequantize launch would 
 bits, with only B dequantized per GEMM. x columnwise is saved for backward and W, Wᵀ are cached, so they stay
 packed; on telemetry steps, which read the packed codes, every operand stays packed.
 
+An x or dy that carries its raw amax (``operand.attach_amax``: the squared ReLU of ``fusion.activation`` computes
+fc2's input amax and fc1's output-gradient amax in its own pass) is quantized with it: the same bits, without the
+quantizer's amax pass.
+
 The weight's two copies (fprop's W, dgrad's Wᵀ) are computed once per optimizer step: ``WeightCache``
 keys them on the parameter's version counter, which changes exactly when the optimizer writes the weight, so
 micro-batches of one step reuse them. With 2-D tiles the two copies are the same values.
@@ -37,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nvfp4_train.kernels.sr_key import CALL_OPERANDS, OPERANDS, call_seed, next_call_seeds, operand_seed
-from nvfp4_train.precision.operand import Operand, cast_pair, operand_nbytes, qgemm
+from nvfp4_train.precision.operand import Operand, attached_amax, cast_pair, operand_nbytes, qgemm
 from nvfp4_train.precision.recipe import QuantRecipe
 
 __all__ = ["QuantLinearFunction", "quantized_linear", "WeightCache", "LinearContext", "pad_weight"]
@@ -137,7 +141,7 @@ class QuantLinearFunction(torch.autograd.Function):
         tel = lctx.telemetry
         x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, _seeds(seed, "x"),
                                  lctx.amax_group, recipe.gemm_engine,
-                                 values=(recipe.direct_dequant and tel is None, False))
+                                 values=(recipe.direct_dequant and tel is None, False), amax=attached_amax(x))
         if tel is not None:
             tel.record("fprop.x", x2, recipe.fprop.a, x_row)
             tel.record("fprop.W", pad_weight(weight.detach(), lctx.weight_pad), recipe.fprop.b, w_row)
@@ -171,6 +175,7 @@ class QuantLinearFunction(torch.autograd.Function):
         dy_row, dy_col = cast_pair(
             dy2, recipe.dgrad.a if need_dx else None, recipe.wgrad.a if need_dw else None,
             _seeds(ctx.seed, "dy"), ctx.lctx.amax_group, recipe.gemm_engine, values=(direct, direct),
+            amax=attached_amax(dy),
         )
         if tel is not None:
             if dy_row is not None:

@@ -19,6 +19,13 @@ bits, without the packed round trip.
 Tensor-parallel amax: pass ``amax_group`` to all-reduce the NVFP4 amaxes with MAX before quantizing, so a
 TP-sharded tensor gets the scales it would have unsharded (RECIPE §3: the per-tensor scale is a property of
 the whole tensor).
+
+A given amax: the op that produced a tensor may have computed, in its own pass, the raw amax its consumer's
+quantizer would compute (``nvfp4_amax``: max |t| and max |RHT(tᵀ)|, non-finite as +Inf; the squared ReLU of
+``fusion.activation``). It travels with the tensor (:func:`attach_amax`, read by :func:`attached_amax`: an
+attribute of that tensor object, so a copy, a view or a padded tensor carries none and is measured as before), and
+``cast_pair(amax=)`` takes it where its casts read a tensor amax in one fused pass (:func:`pair_amax_rht`): the same
+scales, so the same bits, without the quantizer's amax pass over t.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from nvfp4_train.kernels.nvfp4 import (
 )
 from nvfp4_train.precision.recipe import OperandCast
 
-__all__ = ["Operand", "cast_pair", "cast_one", "qgemm", "operand_nbytes"]
+__all__ = ["Operand", "cast_pair", "cast_one", "qgemm", "operand_nbytes", "attach_amax", "attached_amax",
+           "pair_amax_rht"]
 
 
 @dataclass
@@ -75,6 +83,36 @@ def _hadamard(t: torch.Tensor) -> torch.Tensor:
     from nvfp4_train.kernels.hadamard import hadamard16
 
     return hadamard16(t)
+
+
+_AMAX_ATTR = "_nvfp4_train_amax"
+
+
+def attach_amax(t: torch.Tensor, amax: torch.Tensor, col_rht: bool) -> None:
+    """Record on the tensor object ``t`` its raw amax: float32 [2], ``nvfp4_amax(t.reshape(-1, t.shape[-1]),
+    col_rht)`` bit for bit (entry 0 is also ``fp8_amax(t)``)."""
+    setattr(t, _AMAX_ATTR, (amax, col_rht))
+
+
+def attached_amax(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """``(amax, col_rht)`` recorded on ``t`` by :func:`attach_amax`, or None."""
+    return getattr(t, _AMAX_ATTR, None)
+
+
+def pair_amax_rht(rows: int, row: OperandCast | None, col: OperandCast | None) -> bool | None:
+    """Whether ``cast_pair`` of a [rows, .] tensor with these casts reads a given amax, and which: True for
+    ``nvfp4_amax(t, col_rht=True)`` (the fused NVFP4 1x16 pass with a Hadamard-mixed columnwise copy), False for
+    ``nvfp4_amax(t)`` (the fused NVFP4 pass without it; FP8 per-tensor scaling, which reads entry 0), None where
+    its casts take no tensor amax in one pass (block scales, 16x16 tiles, one copy only, bf16)."""
+    if row is None or col is None:
+        return None
+    if row.format == col.format == "nvfp4":
+        if _is_nvfp4_1d(row) and _is_nvfp4_1d(col) and not row.hadamard and rows % 16 == 0:
+            return col.hadamard
+        return None
+    if row.format == col.format == "fp8_e4m3" and row.block is None and col.block is None:
+        return False
+    return None
 
 
 def cast_one(t: torch.Tensor, cast: OperandCast, seed, amax_group: dist.ProcessGroup | None = None,
@@ -114,6 +152,7 @@ def cast_pair(
     amax_group: dist.ProcessGroup | None = None,
     engine: str = DEFAULT_GEMM_ENGINE,
     values: tuple[bool, bool] = (False, False),
+    amax: tuple[torch.Tensor, bool] | None = None,
 ) -> tuple[Operand | None, Operand | None]:
     """The rowwise operand of ``t`` [R, C] (reduction along C) and the columnwise one (of ``tᵀ``).
 
@@ -121,9 +160,13 @@ def cast_pair(
     (``nvfp4_train.kernels.sr_key.operand_seed``): ints, or 0-d int64 device tensors holding them (the quantizers' ``seed``).
     ``engine``: as for ``cast_one``. ``values``: (row, col): that copy, where the fused NVFP4 kernel writes it and
     ``engine`` resolves to a Hopper engine on t's device, as ``NVFP4Values`` in the dtype the engine's GEMM reads
-    (for an A operand read by one GEMM only); else packed as always.
+    (for an A operand read by one GEMM only); else packed as always. ``amax``: t's raw amax as
+    :func:`attached_amax` gives it, used where :func:`pair_amax_rht` says these casts read that one (all-reduced
+    over ``amax_group`` first, as a computed one is); else ignored.
     """
     row_seed, col_seed = seeds
+    if amax is not None and pair_amax_rht(t.shape[0], row, col) != amax[1]:
+        amax = None
     if row is not None and col is not None and row.format == col.format == "nvfp4":
         fused = None  # (block_2d, col_rht) of the fused row + column kernel, when the two casts allow it
         if _is_nvfp4_1d(row) and _is_nvfp4_1d(col) and not row.hadamard and t.shape[0] % 16 == 0:
@@ -133,9 +176,12 @@ def cast_pair(
         if fused is not None:
             block_2d, col_rht = fused
             row_amax = col_amax = None
-            if amax_group is not None:
-                am = nvfp4_amax(t, col_rht=col_rht)
-                dist.all_reduce(am, op=dist.ReduceOp.MAX, group=amax_group)
+            if amax is not None or amax_group is not None:
+                am = amax[0] if amax is not None else nvfp4_amax(t, col_rht=col_rht)
+                if amax_group is not None:
+                    if amax is not None:
+                        am = am.clone()  # the producer's record stays the local amax
+                    dist.all_reduce(am, op=dist.ReduceOp.MAX, group=amax_group)
                 # two views of one buffer (one op): the quantizer reads them in place, no copy
                 row_amax, col_amax = am.unbind()
             row_values, col_values = values
@@ -156,7 +202,8 @@ def cast_pair(
         # same values transposed), the same bits as the two casts below (quantize_fp8_rowcol_ref)
         from nvfp4_train.kernels.fp8 import quantize_fp8_rowcol
 
-        r, c = quantize_fp8_rowcol(t, block=row.block, amax_group=amax_group)
+        r, c = quantize_fp8_rowcol(t, block=row.block, amax=None if amax is None else amax[0][0],
+                                   amax_group=amax_group)
         return Operand("fp8_e4m3", r), Operand("fp8_e4m3", c)
     r = cast_one(t, row, row_seed, amax_group, engine) if row is not None else None
     c = cast_one(t.t(), col, col_seed, amax_group, engine) if col is not None else None

@@ -29,6 +29,12 @@ Inductor the finite ``R(dy * 2r)``. This reference and the kernel are eager's.
 The check (``check``, a :class:`~nonfinite_reference.NonfiniteCheck`, or None): forward checks x, backward dy,
 exactly as ``track_nonfinite_ref`` / ``track_nonfinite_clocked_ref`` of that tensor would (a -Inf in x is found
 although relu makes it 0).
+
+With the amax (``*_amax_ref``): the output as above and the raw amax that the next layer's quantizer reads of it,
+``nvfp4_amax_ref`` of the output as a [M, K] matrix (K = x.shape[-1], M the product of the other dims): float32
+[2], [0] max|out| and [1] max|RHT(out^T)| (the 16x16 Hadamard transform mixing 16 consecutive rows, M % 16 == 0)
+with ``col_rht``, else [0] again; NaN and ±Inf count as +Inf. Forward that is fc2's input, backward fc1's output
+gradient. bf16 and fp32 only (the NVFP4 and FP8 quantizers take those).
 """
 
 from __future__ import annotations
@@ -36,15 +42,21 @@ from __future__ import annotations
 import torch
 
 from nvfp4_train.kernels.fused.nonfinite_reference import NonfiniteCheck, track_nonfinite_check_ref
+from nvfp4_train.kernels.nvfp4.reference import BLOCK, nvfp4_amax_ref
 
 __all__ = [
     "SQUARED_RELU_DTYPES",
+    "SQUARED_RELU_AMAX_DTYPES",
     "check_squared_relu_args",
+    "check_squared_relu_amax_args",
     "squared_relu_forward_ref",
     "squared_relu_backward_ref",
+    "squared_relu_forward_amax_ref",
+    "squared_relu_backward_amax_ref",
 ]
 
 SQUARED_RELU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SQUARED_RELU_AMAX_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def check_squared_relu_args(x: torch.Tensor, dy: torch.Tensor | None = None) -> None:
@@ -76,3 +88,48 @@ def squared_relu_backward_ref(x: torch.Tensor, dy: torch.Tensor,
         track_nonfinite_check_ref(check, dy)
     r = torch.relu(x)
     return torch.ops.aten.threshold_backward(dy * (r * 2), r, 0)
+
+
+def check_squared_relu_amax_args(x: torch.Tensor, col_rht: bool) -> None:
+    """What the amax variants take besides ``check_squared_relu_args``: a bf16 or fp32 x with a last dim (the
+    amax is of the output as [M, K], K = x.shape[-1]) and, for the Hadamard-mixed amax, M % 16 == 0."""
+    if x.dtype not in SQUARED_RELU_AMAX_DTYPES:
+        raise ValueError(f"the squared relu amax takes a bfloat16 or float32 x (what NVFP4 and FP8 quantize), got "
+                         f"{x.dtype}: use squared_relu_forward / squared_relu_backward and nvfp4_amax")
+    if x.dim() == 0:
+        raise ValueError("the squared relu amax is of the output as [M, K] with K = x.shape[-1]; x is 0-d: pass "
+                         "it as shape (1,)")
+    if col_rht and _rows(x) % BLOCK != 0:
+        raise ValueError(f"the Hadamard-mixed amax mixes {BLOCK} consecutive rows of the output as [M, K]; x of shape "
+                         f"{tuple(x.shape)} has M = {_rows(x)} rows: pad them to a multiple of {BLOCK} or pass "
+                         f"col_rht=False")
+
+
+def _rows(x: torch.Tensor) -> int:
+    """M of x as [M, K]: the product of all dims but the last (also when K = 0)."""
+    m = 1
+    for d in x.shape[:-1]:
+        m *= d
+    return m
+
+
+def _amax(out: torch.Tensor, col_rht: bool) -> torch.Tensor:
+    return nvfp4_amax_ref(out.reshape(_rows(out), out.shape[-1]), col_rht)
+
+
+def squared_relu_forward_amax_ref(x: torch.Tensor, check: NonfiniteCheck | None = None, *,
+                                  col_rht: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, amax): ``squared_relu_forward_ref(x, check)`` and ``nvfp4_amax_ref`` of y as [M, K]."""
+    check_squared_relu_args(x)
+    check_squared_relu_amax_args(x, col_rht)
+    y = squared_relu_forward_ref(x, check)
+    return y, _amax(y, col_rht)
+
+
+def squared_relu_backward_amax_ref(x: torch.Tensor, dy: torch.Tensor, check: NonfiniteCheck | None = None, *,
+                                   col_rht: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, amax): ``squared_relu_backward_ref(x, dy, check)`` and ``nvfp4_amax_ref`` of dx as [M, K]."""
+    check_squared_relu_args(x, dy)
+    check_squared_relu_amax_args(x, col_rht)
+    dx = squared_relu_backward_ref(x, dy, check)
+    return dx, _amax(dx, col_rht)

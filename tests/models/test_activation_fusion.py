@@ -47,7 +47,7 @@ def single_rank():
         yield
 
 
-def _build(mc, activation: bool, device: str = "cpu"):
+def _build(mc, activation: bool, device: str = "cpu", precision: str = "bf16"):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nvfp4_train.models.build import build_model, transformer_config
@@ -56,8 +56,8 @@ def _build(mc, activation: bool, device: str = "cpu"):
     model_parallel_cuda_manual_seed(0)
     # every other fusion off: the two models differ in this switch only
     fusion = FusionConfig(**{**{f.name: False for f in dataclasses.fields(FusionConfig)}, "activation": activation})
-    model = build_model(mc, LayerPrecisionMap(mc.pattern, "bf16"), config=transformer_config(mc), seq_length=SEQ,
-                        fusion=fusion)
+    pmap = LayerPrecisionMap(mc.pattern, precision, keep_first=0, keep_last=0)
+    model = build_model(mc, pmap, config=transformer_config(mc), seq_length=SEQ, fusion=fusion)
     return model.to(device)
 
 
@@ -303,3 +303,62 @@ def test_device_clock_checks_of_the_activation_replay_from_a_cuda_graph():
     dy[0, 0] = float("nan")
     graph.replay()
     assert nonfinite_events(model) == [(3, "fc1", "forward"), (4, "fc2", "backward")]
+
+
+def _amax_handover(device: str, gen: torch.Generator, monkeypatch, precision: str, pattern: str = "-*-") -> None:
+    """Both models' step; each nvfp4 / fp8 per-tensor pair cast records its tensor's shape and whether it was given
+    an amax. The same step bits; the fused model's fc2 x and fc1 dy of both MLPs given theirs, nothing else."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nvfp4_train.precision import operand
+
+    mc = model_config("tiny").replace(pattern=pattern, num_layers=len(pattern), vocab_size=1024)
+    unfused, fused = _build(mc, False, device, precision), _build(mc, True, device, precision)
+    given = []
+    if precision == "nvfp4":
+        inner = operand.quantize_nvfp4_rowcol
+
+        def spy(t, *args, **kwargs):
+            given.append((tuple(t.shape), kwargs.get("row_amax") is not None))
+            return inner(t, *args, **kwargs)
+
+        monkeypatch.setattr(operand, "quantize_nvfp4_rowcol", spy)
+    else:
+        from nvfp4_train.kernels import fp8 as fp8_mod
+
+        inner = fp8_mod.quantize_fp8_rowcol
+
+        def spy(t, *args, **kwargs):
+            given.append((tuple(t.shape), kwargs.get("amax") is not None))
+            return inner(t, *args, **kwargs)
+
+        monkeypatch.setattr(fp8_mod, "quantize_fp8_rowcol", spy)
+    ids = torch.randint(0, mc.vocab_size, (BATCH, SEQ), generator=gen).to(device)
+    pos = torch.arange(SEQ, device=device)[None].expand(BATCH, SEQ)
+    ffn = mc.ffn_hidden_size or 4 * mc.hidden_size
+    with sdpa_kernel(SDPBackend.MATH):
+        step_u = _step(unfused, ids, pos)
+        calls_u, given[:] = list(given), []
+        step_f = _step(fused, ids, pos)
+        calls_f = list(given)
+    _same_step(step_u, step_f)
+    assert [shape for shape, _ in calls_u] == [shape for shape, _ in calls_f] and calls_f
+    assert not any(g for _, g in calls_u)
+    assert [shape for shape, g in calls_f if g] == [(SEQ * BATCH, ffn)] * 4  # fc2's x, fc1's dy, two MLPs
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8_tensorwise"])
+def test_activation_hands_its_amax_to_the_quantizers(single_rank, gen, monkeypatch, precision):
+    """With quantized MLP layers the activation also gives fc2 its input's amax (forward) and fc1 its output
+    gradient's (backward): those casts read it instead of measuring the tensor, and the step is the unfused one bit
+    for bit (the same scales). CPU: the activation's reference and the quantizers' references."""
+    _amax_handover("cpu", gen, monkeypatch, precision)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8_tensorwise"])
+def test_activation_kernel_hands_its_amax_to_the_quantizers(single_rank, triton_device, gen, monkeypatch,
+                                                            precision):
+    """The same through the Triton kernels (the activation's amax kernels and the quantizers'; two MLP blocks: the
+    interpreter's quantize kernels are slow)."""
+    _amax_handover(triton_device, gen, monkeypatch, precision, pattern="--")
