@@ -313,14 +313,9 @@ def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | 
                         f"{sorted((str(x), str(y)) for x, y in _SUPPORTED)}")
     if alpha is not None and (alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.device != a.device):
         raise ValueError(f"matmul_device_alpha: alpha must be a 1-element float32 tensor on {a.device}")
-    if accumulate and out is None:
-        raise ValueError("matmul_device_alpha: accumulate=True adds into out: pass the tensor to add into as out")
     M, K = a.shape
     N = b.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != a.device:
-        raise ValueError(f"matmul_device_alpha: out must be a contiguous [{M}, {N}] {out_dtype} tensor on {a.device}")
+    out = _output("matmul_device_alpha", out, accumulate, M, N, out_dtype, a.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -339,6 +334,19 @@ def matmul_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | 
         zero, one = _constants(dev)
     _launch(handle, plan, dev, alpha if alpha is not None else one, a, b, one if accumulate else zero, out, ws,
             stream)
+    return out
+
+
+def _output(fn: str, out: torch.Tensor | None, accumulate: bool, M: int, N: int, out_dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """The GEMM's D: ``out`` checked (a contiguous [M, N] tensor of ``out_dtype`` on ``device``), or a new one; with
+    ``accumulate`` (C = D's old contents) it must be given."""
+    if accumulate and out is None:
+        raise ValueError(f"{fn}: accumulate=True adds into out: pass the tensor to add into as out")
+    if out is None:
+        return torch.empty((M, N), dtype=out_dtype, device=device)
+    if out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"{fn}: out must be a contiguous [{M}, {N}] {out_dtype} tensor on {device}")
     return out
 
 
@@ -412,12 +420,7 @@ def matmul_fp8_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, a
                              f"{t.stride()}")
     _check_fp8_scale("A", a_scale, a_mode, M, K, a.device)
     _check_fp8_scale("B", b_scale, b_mode, N, K, a.device)
-    if accumulate and out is None:
-        raise ValueError("matmul_fp8_scaled: accumulate=True adds into out: pass the tensor to add into as out")
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous() or out.device != a.device:
-        raise ValueError(f"matmul_fp8_scaled: out must be a contiguous [{M}, {N}] {out_dtype} tensor on {a.device}")
+    out = _output("matmul_fp8_scaled", out, accumulate, M, N, out_dtype, a.device)
     if M == 0 or N == 0:
         return out
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()

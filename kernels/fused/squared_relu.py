@@ -163,6 +163,37 @@ def _squared_relu_value(x, g, KIND: tl.constexpr, NATIVE: tl.constexpr, BACKWARD
         return r * r
 
 
+@triton.jit
+def _ld(ptrs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
+    """``load_f32`` of a tile inside the tensor (``EVEN``: no mask) or at its edge (0 where masked)."""
+    if EVEN:
+        raw = tl.load(ptrs)
+        if KIND == 1:
+            return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return raw.to(tl.float32)
+    else:
+        return load_f32(ptrs, mask, KIND)
+
+
+@triton.jit
+def _sq_elements(x_ptrs, dy_ptrs, mask, chk, KIND: tl.constexpr, NATIVE: tl.constexpr, BACKWARD: tl.constexpr,
+                 CHECK: tl.constexpr, EVEN: tl.constexpr):
+    """The elements at ``x_ptrs`` (and ``dy_ptrs``): (the output of ``_squared_relu_value``, before its rounding;
+    ``chk`` with the exponent fields of the checked tensor's loaded values, under CHECK). ``EVEN``: unmasked."""
+    x = _ld(x_ptrs, mask, KIND, EVEN)
+    if BACKWARD:
+        g = _ld(dy_ptrs, mask, KIND, EVEN)
+        seen = g
+    else:
+        g = x
+        seen = x
+    out = _squared_relu_value(x, g, KIND, NATIVE, BACKWARD)
+    if CHECK:
+        chk = tl.maximum(chk, seen.to(tl.int32, bitcast=True) & _EXP32)
+    return out, chk
+
+
 @triton.jit(do_not_specialize=["now"])
 def _squared_relu_kernel(
     x_ptr, dy_ptr, out_ptr, n, kept_ptr, clock_ptr, arrivals_ptr, now,
@@ -178,16 +209,7 @@ def _squared_relu_kernel(
     for start in range(pid.to(tl.int64) * BLOCK, n, npid * BLOCK):
         offs = start + lanes
         mask = offs < n
-        x = load_f32(x_ptr + offs, mask, KIND)
-        if BACKWARD:
-            g = load_f32(dy_ptr + offs, mask, KIND)
-            seen = g
-        else:
-            g = x
-            seen = x
-        out = _squared_relu_value(x, g, KIND, NATIVE, BACKWARD)
-        if CHECK:
-            acc = tl.maximum(acc, seen.to(tl.int32, bitcast=True) & _EXP32)
+        out, acc = _sq_elements(x_ptr + offs, dy_ptr + offs, mask, acc, KIND, NATIVE, BACKWARD, CHECK, False)
         store_rounded(out_ptr + offs, out, mask, KIND, NATIVE)
     if CHECK:
         track_nonfinite_tail(acc, _EXP32, kept_ptr, clock_ptr, arrivals_ptr, now, NEVER_F, CLOCKED, FRESH)
@@ -196,19 +218,6 @@ def _squared_relu_kernel(
 # ------------------------------------------------------------------------------------------------------------
 # With the amax: 2-D tiles whose 16 row tensors hold 16 consecutive rows of every group (module docstring)
 # ------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _ld(ptrs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
-    """``load_f32`` of a tile inside the tensor (``EVEN``: no mask) or at its edge (0 where masked)."""
-    if EVEN:
-        raw = tl.load(ptrs)
-        if KIND == 1:
-            return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            return raw.to(tl.float32)
-    else:
-        return load_f32(ptrs, mask, KIND)
 
 
 @triton.jit
@@ -228,17 +237,8 @@ def _sq_row(x_ptr, dy_ptr, offs, i: tl.constexpr, K, rows, M, kmask, chk, KIND: 
     the element type as fp32: what is stored and what the amax reads, ``chk`` with the exponent fields of the
     checked row)."""
     p = i * K + offs
-    mask = _row_mask(i, rows, M, kmask, EVEN)
-    x = _ld(x_ptr + p, mask, KIND, EVEN)
-    if BACKWARD:
-        g = _ld(dy_ptr + p, mask, KIND, EVEN)
-        seen = g
-    else:
-        g = x
-        seen = x
-    out = _squared_relu_value(x, g, KIND, NATIVE, BACKWARD)
-    if CHECK:
-        chk = tl.maximum(chk, seen.to(tl.int32, bitcast=True) & _EXP32)
+    out, chk = _sq_elements(x_ptr + p, dy_ptr + p, _row_mask(i, rows, M, kmask, EVEN), chk, KIND, NATIVE, BACKWARD,
+                            CHECK, EVEN)
     return out, round_to_kind(out, KIND, NATIVE), chk
 
 

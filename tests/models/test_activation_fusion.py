@@ -121,6 +121,29 @@ def _same_step(a, b) -> None:
         assert_same_bits(grads_a[name], grads_b[name])
 
 
+def nonfinite_runner(device: str, ids: torch.Tensor, pos: torch.Tensor, monkeypatch):
+    """``run(model, clock, inject=None)``: one step of ``model`` on ``clock`` ("host" or "device") from time 1,
+    inside ``inject``; returns (the step's loss and gradients, its non-finite events, the first non-finite layer,
+    the device clock's count or None). Each model keeps its own device clock across runs."""
+    clocks = {}
+
+    def run(model, clock: str, inject=None):
+        reset_nonfinite(model)
+        monkeypatch.setattr(tel_mod, "_clock", itertools.count(1))
+        if clock == "device":
+            c = clocks.setdefault(id(model), torch.zeros((), dtype=torch.float64, device=device))
+            set_device_clock(model, c)
+            c.zero_()
+        else:
+            set_device_clock(model, None)
+        with inject or contextlib.nullcontext():
+            out = _step(model, ids, pos)
+        count = int(clocks[id(model)]) if clock == "device" else None
+        return out, nonfinite_events(model), first_nonfinite_layer(model), count
+
+    return run
+
+
 def _fused_equals_unfused(device: str, gen: torch.Generator, cases: list[tuple[str, str, str]],
                           monkeypatch) -> None:
     """Build both models; a clean step (bitwise, nothing non-finite); then each (where, value, clock) case: the
@@ -138,22 +161,7 @@ def _fused_equals_unfused(device: str, gen: torch.Generator, cases: list[tuple[s
     assert not any(isinstance(m.activation_func, CheckedSquaredReLU) for m in mlps_u)
     ids = torch.randint(0, mc.vocab_size, (BATCH, SEQ), generator=gen).to(device)
     pos = torch.arange(SEQ, device=device)[None].expand(BATCH, SEQ)
-    clocks = {}
-
-    def run(model, clock: str, inject=None):
-        """One step on ``clock`` from time 1; the step's bits, its events, and the device clock's count."""
-        reset_nonfinite(model)
-        monkeypatch.setattr(tel_mod, "_clock", itertools.count(1))
-        if clock == "device":
-            c = clocks.setdefault(id(model), torch.zeros((), dtype=torch.float64, device=device))
-            set_device_clock(model, c)
-            c.zero_()
-        else:
-            set_device_clock(model, None)
-        with inject or contextlib.nullcontext():
-            out = _step(model, ids, pos)
-        count = int(clocks[id(model)]) if clock == "device" else None
-        return out, nonfinite_events(model), first_nonfinite_layer(model), count
+    run = nonfinite_runner(device, ids, pos, monkeypatch)
 
     with sdpa_kernel(SDPBackend.MATH):
         base_u, base_f = run(unfused, "host"), run(fused, "host")

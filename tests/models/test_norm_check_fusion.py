@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 
 import pytest
 import torch
 
 from nvfp4_train.models.fusion import FusionConfig
-from nvfp4_train.precision import telemetry as tel_mod
-from nvfp4_train.precision.telemetry import nonfinite_events, reset_nonfinite, set_device_clock
-from tests.models.test_activation_fusion import _SetGrad, _same_step, _step
+from tests.models.test_activation_fusion import _SetGrad, _same_step, nonfinite_runner
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:overflow encountered:RuntimeWarning")
@@ -103,21 +100,11 @@ def _same_events(device: str, gen: torch.Generator, monkeypatch, bitwise: bool) 
     (mc, off), (_, on) = _build(False, device), _build(True, device)
     ids = torch.randint(0, mc.vocab_size, (BATCH, SEQ), generator=gen).to(device)
     pos = torch.arange(SEQ, device=device)[None].expand(BATCH, SEQ)
-    clocks = {}
+    runner = nonfinite_runner(device, ids, pos, monkeypatch)
 
     def run(model, clock: str, inject=None):
-        reset_nonfinite(model)
-        monkeypatch.setattr(tel_mod, "_clock", itertools.count(1))
-        if clock == "device":
-            c = clocks.setdefault(id(model), torch.zeros((), dtype=torch.float64, device=device))
-            set_device_clock(model, c)
-            c.zero_()
-        else:
-            set_device_clock(model, None)
-        with inject or contextlib.nullcontext():
-            out = _step(model, ids, pos)
-        count = int(clocks[id(model)]) if clock == "device" else None
-        return out, nonfinite_events(model), count
+        out, events, _, count = runner(model, clock, inject)
+        return out, events, count
 
     with sdpa_kernel(SDPBackend.MATH):
         base_off, base_on = run(off, "host"), run(on, "host")
