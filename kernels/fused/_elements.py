@@ -14,9 +14,14 @@ import triton.language as tl
 
 from nvfp4_train.kernels.fp4_triton import round_to_bf16, round_to_bf16_x2
 
-__all__ = ["KIND", "load_f32", "round_to_kind", "store_rounded"]
+__all__ = ["KIND", "kernel_bits", "load_f32", "round_to_kind", "store_rounded"]
 
 KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def kernel_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a kernel takes it: a bf16 tensor as its int16 bits (``load_f32`` widens them), others as they are."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 @triton.jit

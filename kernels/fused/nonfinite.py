@@ -60,6 +60,8 @@ __all__ = [
     "NEVER",
     "check_nonfinite_args",
     "check_folded_check_args",
+    "folded_check_launch_args",
+    "count_empty_check",
     "kernel_takes",
     "new_arrivals",
     "track_nonfinite",
@@ -189,6 +191,27 @@ def check_folded_check_args(check, t: torch.Tensor) -> None:
         raise ValueError(f"check.clock is a {clock.dtype} of shape {tuple(clock.shape)} on {clock.device} with "
                          f"kept={None if kept is None else 'a tensor'}: the device clock needs a 0-d float64 clock "
                          f"and kept on {t.device}")
+
+
+def folded_check_launch_args(check, device: torch.device, placeholder: torch.Tensor) -> tuple:
+    """(kept, clock, arrivals, now, CLOCKED, FRESH) of a launch that folds ``check`` (a ``NonfiniteCheck``, or None):
+    the check's tensors (``kept`` made on ``device`` when None: the last program writes it), or ``placeholder`` for
+    each (never read without CHECK)."""
+    if check is None:
+        return placeholder, placeholder, placeholder, 0, False, False
+    clocked = check.clock is not None
+    fresh = check.kept is None
+    if fresh:
+        check.kept = torch.empty((), dtype=torch.float64, device=device)
+    clock = check.clock if clocked else check.kept
+    return check.kept, clock, check.arrivals, 0 if clocked else int(check.now), clocked, fresh
+
+
+def count_empty_check(check) -> None:
+    """A folded ``check`` of an empty tensor, where nothing is launched: nothing to find, but the device clock
+    counts every check."""
+    if check is not None and check.clock is not None:
+        check.clock.add_(1.0)
 
 
 def _launch(t: torch.Tensor, kept: torch.Tensor, clock: torch.Tensor, arrivals: torch.Tensor, now: int,

@@ -70,8 +70,14 @@ import triton
 import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import use_triton
-from nvfp4_train.kernels.fused._elements import KIND, load_f32, store_rounded
-from nvfp4_train.kernels.fused.nonfinite import NEVER, check_folded_check_args, track_nonfinite_tail
+from nvfp4_train.kernels.fused._elements import KIND, kernel_bits, load_f32, store_rounded
+from nvfp4_train.kernels.fused.nonfinite import (
+    NEVER,
+    check_folded_check_args,
+    count_empty_check,
+    folded_check_launch_args,
+    track_nonfinite_tail,
+)
 from nvfp4_train.kernels.fused.nonfinite_reference import NonfiniteCheck
 from nvfp4_train.kernels.fused.rms_norm_reference import (
     check_rms_norm_backward_args,
@@ -129,11 +135,6 @@ def _rms_norm_bwd_kernel(
                              FRESH)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors reach the kernel as their int16 bits (``_elements.py``)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def rms_norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, *,
                              programs: int | None = None,
                              check: NonfiniteCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,9 +151,8 @@ def rms_norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tens
     dy, x, rstd, weight = dy.contiguous(), x.contiguous(), rstd.contiguous(), weight.contiguous()
     band, n_prog = row_bands(x, m, programs)
     lanes = rows_per_step(x)
-    if check is not None and dy.numel() == 0:  # nothing to check (no launch for M = 0); the clock counts checks
-        if check.clock is not None:
-            check.clock.add_(1.0)
+    if check is not None and dy.numel() == 0:  # no launch for M = 0
+        count_empty_check(check)
         check = None
     dx = torch.empty_like(x)
     if m == 0:
@@ -160,18 +160,9 @@ def rms_norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tens
     part = torch.empty(n_prog * lanes, h, dtype=torch.float32, device=x.device)
     block_h = max(16, triton.next_power_of_2(h))
     num_warps = 4 if block_h <= 1024 else 8 if block_h <= 4096 else 16
-    kept = clock = arrivals = part  # placeholders: never read without CHECK
-    now = 0
-    clocked = fresh = False
-    if check is not None:
-        clocked, fresh = check.clock is not None, check.kept is None
-        if fresh:
-            check.kept = torch.empty((), dtype=torch.float64, device=x.device)  # the last program writes it
-        kept, arrivals = check.kept, check.arrivals
-        clock = check.clock if clocked else check.kept
-        now = 0 if clocked else int(check.now)
+    kept, clock, arrivals, now, clocked, fresh = folded_check_launch_args(check, x.device, part)
     _rms_norm_bwd_kernel[(n_prog,)](
-        _bits(dy), _bits(x), rstd, _bits(weight), _bits(dx), part, m, h, band, kept, clock, arrivals, now,
+        kernel_bits(dy), kernel_bits(x), rstd, kernel_bits(weight), kernel_bits(dx), part, m, h, band, kept, clock, arrivals, now,
         BLOCK_H=block_h, ROWS=lanes, KIND=KIND[x.dtype], W_KIND=KIND[weight.dtype], NATIVE=x.is_cuda,
         CHECK=check is not None, CLOCKED=clocked, FRESH=fresh, NEVER_F=float(NEVER),
         num_warps=num_warps, enable_fp_fusion=False,

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import use_triton
 from nvfp4_train.kernels.fp4_triton import cdiv
-from nvfp4_train.kernels.fused._elements import KIND, load_f32, round_to_kind, store_rounded
+from nvfp4_train.kernels.fused._elements import KIND, kernel_bits, load_f32, round_to_kind, store_rounded
 from nvfp4_train.kernels.fused.rope_reference import (
     apply_rope_ref,
     check_rope_input,
@@ -175,10 +175,9 @@ def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: b
     block_s = max(1, min(_pow2(S), tile // (block_r * block_h)))
     num_warps = max(1, min(4, block_s * block_r * block_h // 256))
     kind = KIND[x.dtype]
-    as_bits = (lambda v: v.view(torch.int16)) if kind == 1 else (lambda v: v)
     grid = (cdiv(S, block_s), cdiv(rows, block_r))
     _rope_kernel[grid](
-        as_bits(x), as_bits(cos_), as_bits(sin_), as_bits(out), S, B, H, *x.stride(),
+        kernel_bits(x), kernel_bits(cos_), kernel_bits(sin_), kernel_bits(out), S, B, H, *x.stride(),
         D=D, HALF=half, BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p, KIND=kind,
         NATIVE=x.is_cuda, BACKWARD=backward, num_warps=num_warps, enable_fp_fusion=False,
     )

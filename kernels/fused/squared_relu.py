@@ -105,8 +105,14 @@ import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import persistent_grid, use_triton
 from nvfp4_train.kernels.fp4_triton import cdiv, round_to_bf16
-from nvfp4_train.kernels.fused._elements import KIND, load_f32, round_to_kind, store_rounded
-from nvfp4_train.kernels.fused.nonfinite import NEVER, check_folded_check_args, track_nonfinite_tail
+from nvfp4_train.kernels.fused._elements import KIND, kernel_bits, load_f32, round_to_kind, store_rounded
+from nvfp4_train.kernels.fused.nonfinite import (
+    NEVER,
+    check_folded_check_args,
+    count_empty_check,
+    folded_check_launch_args,
+    track_nonfinite_tail,
+)
 from nvfp4_train.kernels.fused.nonfinite_reference import NonfiniteCheck
 from nvfp4_train.kernels.fused.squared_relu_reference import (
     SQUARED_RELU_DTYPES,
@@ -339,24 +345,6 @@ def _squared_relu_amax_kernel(
                              FRESH)
 
 
-def _as_bits(kind: int):
-    """How a tensor reaches the kernels: bf16 as its int16 bits (``load_f32``), fp16 and fp32 as they are."""
-    return (lambda v: v.view(torch.int16)) if kind == 1 else (lambda v: v)
-
-
-def _check_launch_args(check: NonfiniteCheck | None, x: torch.Tensor, placeholder: torch.Tensor):
-    """(kept, clock, arrivals, now, CLOCKED, FRESH) of a launch: the check's tensors (``kept`` made when None), or
-    ``placeholder`` for each of them (never read without CHECK)."""
-    if check is None:
-        return placeholder, placeholder, placeholder, 0, False, False
-    clocked = check.clock is not None
-    fresh = check.kept is None
-    if fresh:
-        check.kept = torch.empty((), dtype=torch.float64, device=x.device)  # the last program writes it
-    clock = check.clock if clocked else check.kept
-    return check.kept, clock, check.arrivals, 0 if clocked else int(check.now), clocked, fresh
-
-
 def _launch(x: torch.Tensor, dy: torch.Tensor | None, check: NonfiniteCheck | None, block: int, num_warps: int,
             per_sm: int) -> torch.Tensor:
     seen = x if dy is None else dy
@@ -365,15 +353,13 @@ def _launch(x: torch.Tensor, dy: torch.Tensor | None, check: NonfiniteCheck | No
     if check is not None:
         check_folded_check_args(check, seen)
     if n == 0:
-        if check is not None and check.clock is not None:
-            check.clock.add_(1.0)  # the clock counts checks
+        count_empty_check(check)
         return out
     kind = KIND[x.dtype]
-    as_bits = _as_bits(kind)
-    kept, clock, arrivals, now, clocked, fresh = _check_launch_args(check, x, out)
+    kept, clock, arrivals, now, clocked, fresh = folded_check_launch_args(check, x.device, out)
     grid = persistent_grid(x, cdiv(n, block), per_sm)
     _squared_relu_kernel[grid](
-        as_bits(x), as_bits(x if dy is None else dy), as_bits(out), n, kept, clock, arrivals, now,
+        kernel_bits(x), kernel_bits(x if dy is None else dy), kernel_bits(out), n, kept, clock, arrivals, now,
         KIND=kind, NATIVE=x.is_cuda, BACKWARD=dy is not None, CHECK=check is not None, CLOCKED=clocked, FRESH=fresh,
         NEVER_F=float(NEVER), BLOCK=block, num_warps=num_warps,
     )
@@ -434,18 +420,16 @@ def _launch_amax(x: torch.Tensor, dy: torch.Tensor | None, check: NonfiniteCheck
     if check is not None:
         check_folded_check_args(check, seen)
     if m == 0 or k == 0:
-        if check is not None and check.clock is not None:
-            check.clock.add_(1.0)  # the clock counts checks
+        count_empty_check(check)
         return out, amax
     if (block_m - 1) * k + block_k > 2**31:
         raise ValueError(f"the squared relu amax kernel addresses a [{block_m}, {block_k}] tile with 32-bit offsets; "
                          f"x has {k} columns: use squared_relu_forward / squared_relu_backward and nvfp4_amax")
     kind = KIND[x.dtype]
-    as_bits = _as_bits(kind)
-    kept, clock, arrivals, now, clocked, fresh = _check_launch_args(check, x, out)
+    kept, clock, arrivals, now, clocked, fresh = folded_check_launch_args(check, x.device, out)
     grid = persistent_grid(x, cdiv(m, block_m) * cdiv(k, block_k), per_sm)
     _squared_relu_amax_kernel[grid](
-        as_bits(x), as_bits(x if dy is None else dy), as_bits(out), amax, m, k, kept, clock, arrivals, now,
+        kernel_bits(x), kernel_bits(x if dy is None else dy), kernel_bits(out), amax, m, k, kept, clock, arrivals, now,
         KIND=kind, NATIVE=x.is_cuda, BACKWARD=dy is not None, CHECK=check is not None, CLOCKED=clocked, FRESH=fresh,
         NEVER_F=float(NEVER), COL_RHT=col_rht, EVEN=m % block_m == 0 and k % block_k == 0, BM=block_m, BK=block_k,
         num_warps=num_warps, enable_fp_fusion=False,

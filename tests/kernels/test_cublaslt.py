@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nvfp4_train.kernels.cublaslt import matmul_device_alpha, supported_dtypes
+from tests.cuda_graphs import capture
 
 
 def dyadic(gen: torch.Generator, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -74,14 +75,7 @@ def test_no_host_sync_and_graph_replay_reads_alpha(gen):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     out = torch.empty(128, 96, dtype=torch.bfloat16, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        matmul_device_alpha(a, b, alpha, torch.bfloat16, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        matmul_device_alpha(a, b, alpha, torch.bfloat16, out=out)
+    g = capture(lambda: matmul_device_alpha(a, b, alpha, torch.bfloat16, out=out))
     for value in (0.25, 1.7, 3.0e-3):
         alpha.fill_(value)
         g.replay()

@@ -32,6 +32,7 @@ from nvfp4_train.precision.telemetry import (
     set_device_clock,
     set_nonfinite_check,
 )
+from tests.cuda_graphs import capture
 from tests.kernels.test_squared_relu import assert_same_bits
 from tests.precision.mcore_util import megatron_single_rank
 
@@ -294,14 +295,7 @@ def test_device_clock_checks_of_the_activation_replay_from_a_cuda_graph():
         (g,) = torch.autograd.grad(act(x), x, dy)
         return g
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles the kernels; the graph must not
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     reset_nonfinite(model)
     clock.zero_()
     graph.replay()

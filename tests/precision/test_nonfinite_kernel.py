@@ -27,6 +27,7 @@ from nvfp4_train.precision.telemetry import (
     reset_nonfinite,
     set_device_clock,
 )
+from tests.cuda_graphs import capture
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -337,14 +338,7 @@ def test_device_clock_checks_replay_from_a_cuda_graph():
             layer.quant_telemetry.check_output(xs[i])
             layer.quant_telemetry.check_input_grad(xs[2 - i])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles the kernel; the graph must not
-        checks()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        checks()
+    graph = capture(checks)
     assert float(clock) == 6  # capture runs nothing
     reset_nonfinite(model)
     graph.replay()
