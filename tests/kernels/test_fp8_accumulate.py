@@ -146,11 +146,15 @@ def test_fp8_layer_wgrad_into_main_grad_within_bound(gen, recipe_name):
             assert w.grad_added_to_main_grad == fused
             if not fused:
                 w.main_grad += w.grad.float()  # megatron's DDP hook
+                # the unfused path's bf16 rounding of p (within 2^-8 |p|, |p| read back from bf16 up to 1 + 2^-7)
+                # and the fp32 roundings of both adds (2^-24 each of |result| <= 2|p| + |C|)
                 p = w.grad.double().abs()
                 bound += p * (2.0 ** -8 * (1 + 2.0 ** -7)) + 2.0 ** -23 * (2 * p + w.main_grad.double().abs())
                 _, a = cast_pair(dy, None, recipe.wgrad.a, (0, 0), None, recipe.gemm_engine)
                 _, b = cast_pair(x.detach(), None, recipe.wgrad.b, (0, 0), None, recipe.gemm_engine)
                 s = dequantize_fp8(a.data).double().abs() @ dequantize_fp8(b.data).double().abs().t()
+                # each GEMM's accumulator within (128 u_tc + (Kb + 2) u) S of the exact sum (kernels/fp8/gemm.py:
+                # u_tc = 2^-13 per 128-long block in the tensor cores, fp32 u = 2^-24 across the Kb blocks): twice
                 kb = M // 128
                 bound += 2 * (128 * 2.0 ** -13 + (kb + 2) * 2.0 ** -24) * s
             w.grad = None
