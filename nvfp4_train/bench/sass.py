@@ -17,6 +17,7 @@ Usage (repo root)::
     python3 scripts/sass_count.py                        # the quantize kernel, RNE, its default 64x128 tile
     python3 scripts/sass_count.py --sr --sass q.sass     # stochastic rounding; the disassembly written to q.sass
     python3 scripts/sass_count.py --values               # both copies written as bf16 values (direct_dequant)
+    python3 scripts/sass_count.py --fp8-blockwise both --block-m 128   # the FP8 1x128 cast, both copies
 """
 
 from __future__ import annotations
@@ -130,6 +131,23 @@ def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128
     return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass)
 
 
+def fp8_blockwise_kernel_sass(write_row: bool = True, write_col: bool = True, block_m: int = 128, block_k: int = 128,
+                              num_warps: int = 4, arch: int = 90) -> SassCount:
+    """The FP8 1x128 cast kernel (``kernels/fp8/quantize.py``) as the linear layers launch it on a contiguous bf16
+    tensor: the rowwise copy, the columnwise copy (x^T requantized in blocks along M) or both, with the GPU's E4M3
+    conversion; its production launch for both copies is 128 x 128 on 4 warps."""
+    from nvfp4_train.kernels.fp8.quantize import _fp8_blockwise_kernel
+
+    pointers = dict(x_ptr="*i16", row_data_ptr="*u8", row_sinv_ptr="*fp32", col_data_ptr="*u8", col_sinv_ptr="*fp32")
+    ints = dict(M="i32", K="i32", stride_m="i32")
+    constexprs = dict(WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=False, BF16_BITS=True, NATIVE=True,
+                      BM=block_m, BK=block_k, stride_k=1)
+    sass = compile_sass(_fp8_blockwise_kernel, {**pointers, **ints}, constexprs,
+                        divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch)
+    ops = count_opcodes(sass)
+    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass)
+
+
 def report(c: SassCount, top: int) -> str:
     lines = [f"{c.total} instructions per program, {c.threads} threads, {c.elements} elements: "
              f"{c.per_element():.2f} per element", "", "| opcode | count | per element |", "|---|---:|---:|"]
@@ -147,10 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=30, help="opcodes listed, most frequent first")
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
     ap.add_argument("--values", action="store_true", help="both copies written as bf16 values (direct_dequant)")
+    ap.add_argument("--fp8-blockwise", choices=["row", "col", "both"],
+                    help="the FP8 1x128 cast kernel writing these copies instead (use --block-m 128)")
     a = ap.parse_args(argv)
-    c = quantize_kernel_sass(a.sr, a.block_m, a.block_k, a.num_warps, a.arch, a.values)
-    print(f"# NVFP4 quantize kernel, {'SR' if a.sr else 'RNE'}, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
-          f"sm_{a.arch}{', values' if a.values else ''}\n")
+    if a.fp8_blockwise:
+        c = fp8_blockwise_kernel_sass(a.fp8_blockwise in ("row", "both"), a.fp8_blockwise in ("col", "both"),
+                                      a.block_m, a.block_k, a.num_warps, a.arch)
+        print(f"# FP8 1x128 cast kernel, copies: {a.fp8_blockwise}, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
+              f"sm_{a.arch}\n")
+    else:
+        c = quantize_kernel_sass(a.sr, a.block_m, a.block_k, a.num_warps, a.arch, a.values)
+        print(f"# NVFP4 quantize kernel, {'SR' if a.sr else 'RNE'}, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
+              f"sm_{a.arch}{', values' if a.values else ''}\n")
     print(report(c, a.top))
     if a.sass:
         a.sass.write_text(c.sass)

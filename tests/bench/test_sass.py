@@ -39,3 +39,18 @@ def test_quantize_kernel_counts_for_sm90():
     sr = sass.quantize_kernel_sass(sr=True)
     assert sr.total > rne.total  # the counter hash and the rounding-up add of every code
     assert "instructions per program" in sass.report(rne, 5)
+
+
+@pytest.mark.skipif(not sass.have_nvidia_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
+def test_fp8_blockwise_kernel_counts_for_sm90():
+    """The FP8 1x128 cast kernel as the layers launch it: x read with 16-byte loads (8 bf16 each, 128 per thread of a
+    128 x 128 tile on 4 warps), the E4M3 bytes through the GPU's conversion, and the two-copy launch issuing at
+    least the instructions of each copy alone (it reads x once but rounds every element for both copies)."""
+    both = sass.fp8_blockwise_kernel_sass(True, True)
+    row = sass.fp8_blockwise_kernel_sass(True, False)
+    col = sass.fp8_blockwise_kernel_sass(False, True)
+    assert both.threads == 128 and both.elements == 128 * 128
+    for c in (both, row, col):
+        assert c.by_op["LDG"] == 16  # 128 bf16 elements per thread in 16-byte loads
+        assert c.by_op["F2FP"] > 0  # cvt.rn.satfinite.e4m3x2.f32
+    assert both.total > max(row.total, col.total)
