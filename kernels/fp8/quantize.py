@@ -12,6 +12,10 @@ which the cast pass turns into the NaN amax of the non-finite policy), then a ca
 rowwise copy and optionally the transposed copy (which needs no new scale).
 Every copy is computed from the tile as loaded (the columnwise 1x128 blocks reduce over 128 rows of it) and
 the transposed bytes are stored through transposed addresses: no fp32 tile is ever transposed in registers.
+Both 1x128 copies also have a grouped kernel (``_fp8_rowcol_grouped_kernel``, ``grouped=True``; the comment above
+it): each thread holds 4 consecutive rows, so x^T's bytes leave as 32-bit words, and the tile is read in chunks
+twice (15.2 instead of 30.6 sm_90 instructions per element, 72 registers instead of 255 and spills:
+``scripts/sass_count.py --fp8-rowcol-grouped``). It is not the default until it has been timed on a GPU.
 
 Arithmetic per block, as in the reference: ``s = min(448 / amax, FLT_MAX)`` (1 for an all-zero block),
 ``scale_inv = 1 / s``, both correctly rounded divisions (``div_rn``), ``q = e4m3_rne(x * s)``: on GPUs of compute
@@ -30,7 +34,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import has_e4m3_convert, persistent_grid
-from nvfp4_train.kernels.fp4_triton import as_kernel_input, e4m3_byte, load_tile
+from nvfp4_train.kernels.fp4_triton import as_kernel_input, e4m3_byte, e4m3_rne, load_tile, u32
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _LAUNCH_OPTS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -104,6 +108,156 @@ def _fp8_blockwise_kernel(
             tl.store(col_sinv_ptr + rk[None, :] + rmb[:, None] * K, sinv_t, mask=smask)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Both 1x128 copies in the grouped layout (the rowwise copy and x^T's): every thread owns 4 consecutive rows
+# ----------------------------------------------------------------------------------------------------------
+#
+# A program owns the [128, 128] tile at (m0, k0): one block of x^T's rows along M, one of x's along K. It reads
+# the tile twice, CM rows at a time, as 4 tensors x0..x3 of shape [G, 128] (G = CM / 4): x_i[g, k] = x[r + 4g + i,
+# k0 + k] with r the chunk's first row. The four have one layout, so one thread holds 4 consecutive rows of each
+# column it owns: the 4 bytes of x^T's row k at m = r + 4g .. r + 4g + 3, one 32-bit word, where the tile kernel
+# above stored them one byte at a time through shared memory.
+#   pass 1, per chunk: each row's amax over its 128 elements, its scales, its bytes (4 per word along k) and its
+#           scale_inv, stored; the column maxima folded into one [G, 128] register tile;
+#   then:   the 128 column amaxes (one reduction over G) and their scales;
+#   pass 2, per chunk: the chunk read again (from L2: the program read it a moment before) and x^T's words.
+# Both passes are loops (not unrolled), so that at most one chunk is live: 72 registers at CM = 32 on 4 warps.
+# For bf16 input the block amax is a bf16 value (a max of bf16 magnitudes), so (s, scale_inv) is looked up by
+# its 15 magnitude bits in a 256 KiB table of the reference's own scales (``fp8_scale_table``) instead of two
+# correctly rounded divisions in each of the 16 threads that hold a part of a row; fp32 input divides.
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max(a, b), NaN if either is NaN (one FMNMX.NAN on the GPU). A block with a NaN gets a NaN amax, one with
+    an Inf an Inf amax; ``_fp8_scales`` and the table turn both into NaN scales, as the reference does."""
+    return tl.maximum(a, b, tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _e4m3_word(a, b, c, d, NATIVE: tl.constexpr):
+    """``e4m3_rne`` of four fp32 tensors as one int32 word per element, a in the lowest byte. ``NATIVE``: two
+    ``cvt.rn.satfinite.e4m3x2.f32`` whose halves ptxas merges into the word (F2FP ... MERGE_C), else the bit
+    arithmetic."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [a, b, c, d], dtype=tl.int32, is_pure=True, pack=1)
+    else:  # one call on the four joined (the interpreter's time goes by calls, not elements)
+        ab, cd = tl.split(e4m3_rne(tl.join(tl.join(a, b), tl.join(c, d))))
+        qa, qb = tl.split(ab)
+        qc, qd = tl.split(cd)
+        return qa | (qb << 8) | (qc << 16) | (qd << 24)
+
+
+@triton.jit
+def _block_scales(amax, tab_ptr, TABLE: tl.constexpr):
+    """(s, scale_inv) of block amaxes (NaN-propagated maxima of |x|). ``TABLE`` (bf16 input): one 8-byte load
+    from ``fp8_scale_table`` by the amax's magnitude bits (its low 16 bits are 0: a bf16 value); else
+    ``_fp8_scales``' two divisions."""
+    if TABLE:
+        w = tl.load(tab_ptr + ((amax.to(tl.uint32, bitcast=True) >> 16) & 0x7FFF).to(tl.int32))
+        s = (w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        sinv = (w >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+        return s, sinv
+    else:
+        return _fp8_scales(amax.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load4(x_ptr, r, kk, stride_m, stride_k, BF16_BITS: tl.constexpr):
+    """Rows r + 4g + i (i = 0..3) at columns kk as four fp32 tensors [G, BK] (no mask: the tile is inside x)."""
+    p = x_ptr + r * stride_m + kk * stride_k
+    if BF16_BITS:
+        x0 = (tl.load(p).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        x1 = (tl.load(p + stride_m).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        x2 = (tl.load(p + 2 * stride_m).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        x3 = (tl.load(p + 3 * stride_m).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x0 = tl.load(p).to(tl.float32)
+        x1 = tl.load(p + stride_m).to(tl.float32)
+        x2 = tl.load(p + 2 * stride_m).to(tl.float32)
+        x3 = tl.load(p + 3 * stride_m).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _fold_max(v, G: tl.constexpr, N: tl.constexpr):
+    """[G, N] -> [G, N / 2]: the NaN-propagating max of columns 2j and 2j + 1 (elementwise within a thread)."""
+    a, b = tl.split(tl.reshape(v, [G, N // 2, 2]))
+    return _max_nan(a, b)
+
+
+@triton.jit
+def _row_amax(x, G: tl.constexpr, BK: tl.constexpr):
+    """max |x| over each row of x [G, BK], NaN-propagating, as int32 bits"""
+    v = _fold_max(_fold_max(_fold_max(tl.abs(x), G, BK), G, BK // 2), G, BK // 4)
+    return tl.max(v.to(tl.int32, bitcast=True), axis=1)
+
+
+@triton.jit
+def _row_words(x, s, G: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr):
+    """The rowwise bytes of x * s (s per row, [G]) as words [G, BK/4], 4 consecutive k per word."""
+    lo, hi = tl.split(tl.reshape(x * s[:, None], [G, BK // 4, 2, 2]))  # k = 4j + 2a + b: lo b = 0, hi b = 1
+    v0, v2 = tl.split(lo)
+    v1, v3 = tl.split(hi)
+    return _e4m3_word(v0, v1, v2, v3, NATIVE)
+
+
+@triton.jit
+def _rowwise4(x0, x1, x2, x3, r, k0, M, K, row_ptr, row_sinv_ptr, tab_ptr, TABLE: tl.constexpr,
+              G: tl.constexpr, BK: tl.constexpr, NATIVE: tl.constexpr):
+    """The rowwise copy of rows r + 4g + i: amaxes, scales (looked up together, one gather for the 4 rows),
+    bytes and scale_inv (M-major: (m, kb) at m + kb * M)."""
+    a = tl.join(tl.join(_row_amax(x0, G, BK), _row_amax(x2, G, BK)), tl.join(_row_amax(x1, G, BK), _row_amax(x3, G, BK)))
+    s, sinv = _block_scales(a, tab_ptr, TABLE)  # [G, 2, 2]: row 4g + 2p + q at [g, p, q]
+    s02, s13 = tl.split(s)
+    s0, s2 = tl.split(s02)
+    s1, s3 = tl.split(s13)
+    j = k0 // 4 + tl.arange(0, BK // 4)[None, :]
+    tl.store(row_ptr + r * (K // 4) + j, _row_words(x0, s0, G, BK, NATIVE))
+    tl.store(row_ptr + (r + 1) * (K // 4) + j, _row_words(x1, s1, G, BK, NATIVE))
+    tl.store(row_ptr + (r + 2) * (K // 4) + j, _row_words(x2, s2, G, BK, NATIVE))
+    tl.store(row_ptr + (r + 3) * (K // 4) + j, _row_words(x3, s3, G, BK, NATIVE))
+    rows = tl.reshape(r, [G])[:, None, None] + 2 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    tl.store(row_sinv_ptr + rows + (k0 // 128) * M, sinv)
+
+
+@triton.jit
+def _fp8_rowcol_grouped_kernel(
+    x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, tab_ptr,
+    M, K, stride_m, stride_k,
+    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, TABLE: tl.constexpr, CM: tl.constexpr,
+):
+    """Both 1x128 copies of x [M, K] (M, K multiples of 128): ``row_ptr`` / ``col_ptr`` are the copies' bytes as
+    int32 words ([M, K/4] and [K, M/4]), the scale_inv layouts those of ``_fp8_blockwise_kernel``."""
+    BM: tl.constexpr = 128
+    BK: tl.constexpr = 128
+    G: tl.constexpr = CM // 4
+    pid = tl.program_id(0)
+    n_k = K // BK
+    m0 = (pid // n_k) * BM
+    k0 = (pid % n_k) * BK
+    g4 = 4 * tl.arange(0, G)[:, None]
+    kk = k0 + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([G, BK], tl.float32)
+    for c in range(0, BM // CM):
+        r = m0 + c * CM + g4
+        x0, x1, x2, x3 = _load4(x_ptr, r, kk, stride_m, stride_k, BF16_BITS)
+        _rowwise4(x0, x1, x2, x3, r, k0, M, K, row_ptr, row_sinv_ptr, tab_ptr, TABLE, G, BK, NATIVE)
+        acc = _max_nan(acc, _max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))))
+    cs, csinv = _block_scales(tl.max(acc.to(tl.int32, bitcast=True), axis=0), tab_ptr, TABLE)  # [BK]
+    # scale_inv [K, M/128] stored K-major: (k, mb) at k + mb * K
+    tl.store(col_sinv_ptr + tl.reshape(kk, [BK]) + (m0 // 128) * K, csinv)
+    cs = cs[None, :]
+    for c in range(0, BM // CM):
+        x0, x1, x2, x3 = _load4(x_ptr, m0 + c * CM + g4, kk, stride_m, stride_k, BF16_BITS)
+        w = _e4m3_word(x0 * cs, x1 * cs, x2 * cs, x3 * cs, NATIVE)
+        # x^T row k, m = m0 + c * CM + 4g + i at byte i of word (k * M + m0 + c * CM) / 4 + g
+        tl.store(col_ptr + kk * (M // 4) + (m0 + c * CM) // 4 + g4 // 4, w)
+
+
 @triton.jit
 def _fp8_amax_kernel(
     x_ptr, amax_ptr, M, K, stride_m, stride_k, BF16_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr
@@ -156,6 +310,52 @@ def quantize_scale_inv_host(amax: torch.Tensor) -> torch.Tensor:
     return encode_decode_scales(a)[1]
 
 
+_SCALE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def fp8_scale_table(device: torch.device) -> torch.Tensor | None:
+    """(s, scale_inv) of every block amax bf16 input can have, for ``_fp8_rowcol_grouped_kernel``: int64 [32768],
+    entry j holding the reference's s (low 32 bits) and scale_inv (high 32 bits) for the amax whose magnitude bits
+    as a bf16 are j (Inf and NaN patterns: NaN scales). Built once per device by the reference's own arithmetic on
+    the CPU (``encode_decode_scales``), so every lookup is the reference's bits. None while a CUDA graph is being
+    captured on the current stream and the table does not exist yet (a host-to-device copy cannot be captured):
+    the kernel then divides, with the same bits."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tab = _SCALE_TABLES.get(device)
+    if tab is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        from nvfp4_train.kernels.fp8.reference import encode_decode_scales
+
+        amax = (torch.arange(1 << 15, dtype=torch.int32) << 16).view(torch.float32)
+        amax = torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), amax)  # as amax_nonfinite
+        s, sinv = encode_decode_scales(amax)
+        tab = _SCALE_TABLES[device] = torch.stack([s, sinv], -1).view(torch.int64).reshape(-1).to(device)
+    return tab
+
+
+def _rowcol_grouped(x: torch.Tensor, chunk_m: int, num_warps: int):
+    M, K = x.shape
+    dev = x.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    row_data = torch.empty((M, K), dtype=torch.uint8, device=dev)
+    col_data = torch.empty((K, M), dtype=torch.uint8, device=dev)
+    row_sinv = torch.empty((K // 128, M), **f32).t()  # [M, K/128], M-major
+    col_sinv = torch.empty((M // 128, K), **f32).t()  # [K, M/128], K-major
+    bf16 = x.dtype == torch.bfloat16
+    tab = fp8_scale_table(dev) if bf16 else None
+    if M * K:
+        _fp8_rowcol_grouped_kernel[(M // 128 * (K // 128),)](
+            as_kernel_input(x), row_data.view(torch.int32), row_sinv, col_data.view(torch.int32), col_sinv,
+            tab if tab is not None else row_sinv, M, K, x.stride(0), x.stride(1),
+            BF16_BITS=bf16, NATIVE=has_e4m3_convert(x), TABLE=tab is not None, CM=chunk_m,
+            num_warps=num_warps, **_LAUNCH_OPTS,
+        )
+    return row_data, row_sinv, col_data, col_sinv
+
+
 def quantize_fp8_blockwise_triton(
     x: torch.Tensor,
     block: tuple[int, int],
@@ -165,18 +365,24 @@ def quantize_fp8_blockwise_triton(
     block_m: int | None = None,
     block_k: int = 128,
     num_warps: int | None = None,
+    grouped: bool = False,
+    chunk_m: int = 32,
 ):
     """Launch the blockwise kernel. Inputs are validated by the caller (``nvfp4_train.kernels.fp8``).
 
     Default launch (the fastest of ``scripts/bench_fp8_casts.py``'s sweep on the H200, ``docs/benchmarks.md``):
     128x128 tiles with 8 warps; 1x128 blocks with 4 warps, 128 x 128 tiles when the columnwise copy is written,
-    else 32 x 128.
+    else 32 x 128. ``grouped`` (1x128, both copies): ``_fp8_rowcol_grouped_kernel`` instead, ``chunk_m`` rows
+    per step (default 4 warps; ``block_m`` / ``block_k`` do not apply).
 
     Returns (row_data_u8, row_scale_inv, col_data_u8, col_scale_inv); absent copies are None.
     """
     M, K = x.shape
     dev = x.device
     tile_2d = block == (128, 128)
+    if grouped:
+        assert not tile_2d and write_row and write_col and M % 128 == 0 and K % 128 == 0 and chunk_m % 4 == 0
+        return _rowcol_grouped(x, chunk_m, 4 if num_warps is None else num_warps)
     if num_warps is None:
         num_warps = 8 if tile_2d else 4
     if tile_2d:

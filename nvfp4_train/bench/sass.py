@@ -5,7 +5,8 @@ is the number of instructions each element costs. This module compiles a kernel 
 (sm_90 by default) on any machine: Triton's own ``ptxas`` assembles it and its ``nvdisasm`` disassembles the cubin,
 no GPU or driver needed. It then counts the kernel's instructions by opcode and divides by the elements one program
 handles. The counts are static: a loop body counts once, so "per element" is exact for a kernel without loops (the
-quantize kernel, fully unrolled) and per iteration for one with a loop; branches taken by no thread count too.
+quantize kernel, fully unrolled); for one whose loops run a known number of times (``loop_trips``), each loop's
+body is counted that many times (``count_opcodes(sass, loop_trips)``). Branches taken by no thread count too.
 
 The launch specializations of Triton's runtime are given explicitly: every pointer and the integers that the runtime
 finds divisible by 16 (M, K and the row stride of a 16-aligned tensor) carry ``tt.divisibility = 16``, and a unit
@@ -18,6 +19,7 @@ Usage (repo root)::
     python3 scripts/sass_count.py --sr --sass q.sass     # stochastic rounding; the disassembly written to q.sass
     python3 scripts/sass_count.py --values               # both copies written as bf16 values (direct_dequant)
     python3 scripts/sass_count.py --fp8-blockwise both --block-m 128   # the FP8 1x128 cast, both copies
+    python3 scripts/sass_count.py --fp8-rowcol-grouped --chunk-m 32     # the same copies, the grouped kernel
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ _INSTR = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-
 @dataclass
 class SassCount:
     """``total`` instructions of one program, ``by_op`` per opcode (modifiers dropped), for ``threads`` threads
-    and ``elements`` elements per program."""
+    and ``elements`` elements per program; ``registers`` per thread where known."""
 
     total: int
     by_op: Counter
     threads: int
     elements: int
     sass: str
+    registers: int | None = None  # per thread, as ptxas allocated them (``cuobjdump -res-usage``)
 
     def per_element(self, n: int | None = None) -> float:
         """Instructions per element: of all opcodes, or ``n`` instructions (one opcode's count)."""
@@ -61,21 +64,48 @@ def _nvidia_tool(name: str) -> Path:
 
 
 def have_nvidia_tools() -> bool:
-    """Whether this Triton installation ships ``ptxas`` and ``nvdisasm`` (what compiling to SASS needs)."""
+    """Whether this Triton installation ships ``ptxas``, ``nvdisasm`` and ``cuobjdump`` (what compiling to SASS and
+    reading its register count need)."""
     try:
-        _nvidia_tool("ptxas"), _nvidia_tool("nvdisasm")
+        _nvidia_tool("ptxas"), _nvidia_tool("nvdisasm"), _nvidia_tool("cuobjdump")
     except FileNotFoundError:
         return False
     return True
 
 
-def count_opcodes(sass: str) -> Counter:
-    """Opcode -> count over the instruction lines of an ``nvdisasm`` listing (predicates and modifiers dropped)."""
-    ops: Counter = Counter()
+_ADDR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\s+(?:`\()?(\.L_x_\d+)")
+
+
+def count_opcodes(sass: str, loop_trips: tuple[int, ...] = ()) -> Counter:
+    """Opcode -> count over the instruction lines of an ``nvdisasm`` listing (predicates and modifiers dropped).
+    ``loop_trips``: how many times each loop runs, in the order of the listing (a loop is a branch back to a label
+    above it; nested loops are not told apart): its body's instructions count that many times."""
+    instrs, labels, pending = [], {}, []
     for line in sass.splitlines():
-        m = _INSTR.match(line)
-        if m:
-            ops[m.group(1)] += 1
+        lab = _LABEL.match(line)
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        addr = _ADDR.match(line)
+        if addr:
+            a = int(addr.group(1), 16)
+            labels.update((p, a) for p in pending)
+            pending = []
+            m = _INSTR.match(line)
+            if m:
+                instrs.append((a, m.group(1), line))
+    loops = []
+    for a, _, line in instrs:
+        b = _BRANCH.search(line)
+        if b and labels.get(b.group(1), a) < a:
+            loops.append((labels[b.group(1)], a))
+    if loop_trips and len(loops) != len(loop_trips):
+        raise ValueError(f"the listing has {len(loops)} loops, {len(loop_trips)} trip counts were given")
+    ops: Counter = Counter()
+    for a, op, _ in instrs:
+        ops[op] += next((n for (lo, hi), n in zip(loops, loop_trips) if lo <= a <= hi), 1)
     return ops
 
 
@@ -84,6 +114,12 @@ def compile_sass(kernel, signature: dict[str, str], constexprs: dict[str, object
     """The SASS listing of the ``@triton.jit`` function ``kernel`` compiled for sm_``arch``: ``signature`` gives
     each runtime argument's Triton type (``*bf16``, ``i32``, ...), ``constexprs`` the value of every constexpr
     parameter, ``divisible`` the arguments the runtime would specialize as divisible by 16."""
+    return compile_kernel(kernel, signature, constexprs, divisible, num_warps, arch, options)[0]
+
+
+def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, object], divisible: list[str],
+                   num_warps: int, arch: int = 90, options: dict | None = None) -> tuple[str, int]:
+    """``compile_sass``'s listing and the registers per thread ptxas gave the kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -104,9 +140,13 @@ def compile_sass(kernel, signature: dict[str, str], constexprs: dict[str, object
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         proc = subprocess.run([str(_nvidia_tool("nvdisasm")), "-c", str(cubin)], capture_output=True)
+        res = subprocess.run([str(_nvidia_tool("cuobjdump")), "-res-usage", str(cubin)], capture_output=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvdisasm failed: {proc.stderr.decode(errors='replace').strip()}")
-    return proc.stdout.decode()
+    regs = re.search(r"\bREG:(\d+)", res.stdout.decode())
+    if res.returncode != 0 or regs is None:
+        raise RuntimeError(f"cuobjdump -res-usage failed: {res.stderr.decode(errors='replace').strip()}")
+    return proc.stdout.decode(), int(regs.group(1))
 
 
 def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
@@ -124,11 +164,11 @@ def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128
     constexprs = dict(WRITE_ROW=True, WRITE_COL=True, BLOCK_2D=False, COL_RHT=True, ROW_SR=sr, COL_SR=sr,
                       IS_BF16=True, NATIVE_CVT=True, EVEN=True, BM=block_m, BK=block_k, ASM=True, SWIZZLE=False,
                       KEY_PTR=False, stride_k=1, ROW_VALUES=values, COL_VALUES=values, VALUES_BF16=True)
-    sass = compile_sass(_quantize_grouped_kernel, {**pointers, **ints}, constexprs,
-                        divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch,
-                        options=dict(enable_fp_fusion=False))
+    sass, regs = compile_kernel(_quantize_grouped_kernel, {**pointers, **ints}, constexprs,
+                                divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch,
+                                options=dict(enable_fp_fusion=False))
     ops = count_opcodes(sass)
-    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass)
+    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass, regs)
 
 
 def fp8_blockwise_kernel_sass(write_row: bool = True, write_col: bool = True, block_m: int = 128, block_k: int = 128,
@@ -142,15 +182,35 @@ def fp8_blockwise_kernel_sass(write_row: bool = True, write_col: bool = True, bl
     ints = dict(M="i32", K="i32", stride_m="i32")
     constexprs = dict(WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=False, BF16_BITS=True, NATIVE=True,
                       BM=block_m, BK=block_k, stride_k=1)
-    sass = compile_sass(_fp8_blockwise_kernel, {**pointers, **ints}, constexprs,
-                        divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch)
+    sass, regs = compile_kernel(_fp8_blockwise_kernel, {**pointers, **ints}, constexprs,
+                                divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch)
     ops = count_opcodes(sass)
-    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass)
+    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass, regs)
+
+
+def fp8_rowcol_grouped_kernel_sass(chunk_m: int = 32, num_warps: int = 4, arch: int = 90,
+                                   table: bool = True) -> SassCount:
+    """``_fp8_rowcol_grouped_kernel`` (both 1x128 copies, ``kernels/fp8/quantize.py``) as launched on a contiguous
+    bf16 tensor: a [128, 128] tile per program, ``chunk_m`` rows per iteration of its two loops (each runs
+    128 / ``chunk_m`` times and counts so), the scales from the table (``table``) or by division."""
+    from nvfp4_train.kernels.fp8.quantize import _fp8_rowcol_grouped_kernel
+
+    pointers = dict(x_ptr="*i16", row_ptr="*i32", row_sinv_ptr="*fp32", col_ptr="*i32", col_sinv_ptr="*fp32",
+                    tab_ptr="*i64")
+    ints = dict(M="i32", K="i32", stride_m="i32")
+    constexprs = dict(BF16_BITS=True, NATIVE=True, TABLE=table, CM=chunk_m, stride_k=1)
+    sass, regs = compile_kernel(_fp8_rowcol_grouped_kernel, {**pointers, **ints}, constexprs,
+                                divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch,
+                                options=dict(enable_fp_fusion=False, enable_reflect_ftz=False))
+    trips = 128 // chunk_m
+    ops = count_opcodes(sass, (trips, trips) if trips > 1 else ())
+    return SassCount(sum(ops.values()), ops, 32 * num_warps, 128 * 128, sass, regs)
 
 
 def report(c: SassCount, top: int) -> str:
+    regs = "" if c.registers is None else f", {c.registers} registers per thread"
     lines = [f"{c.total} instructions per program, {c.threads} threads, {c.elements} elements: "
-             f"{c.per_element():.2f} per element", "", "| opcode | count | per element |", "|---|---:|---:|"]
+             f"{c.per_element():.2f} per element{regs}", "", "| opcode | count | per element |", "|---|---:|---:|"]
     lines += [f"| {op} | {n} | {c.per_element(n):.2f} |" for op, n in c.by_op.most_common(top)]
     return "\n".join(lines)
 
@@ -167,8 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--values", action="store_true", help="both copies written as bf16 values (direct_dequant)")
     ap.add_argument("--fp8-blockwise", choices=["row", "col", "both"],
                     help="the FP8 1x128 cast kernel writing these copies instead (use --block-m 128)")
+    ap.add_argument("--fp8-rowcol-grouped", action="store_true",
+                    help="the FP8 grouped kernel writing both 1x128 copies instead (--chunk-m rows per step)")
+    ap.add_argument("--chunk-m", type=int, default=32)
+    ap.add_argument("--divide", action="store_true", help="with --fp8-rowcol-grouped: scales by division (fp32 input)")
     a = ap.parse_args(argv)
-    if a.fp8_blockwise:
+    if a.fp8_rowcol_grouped:
+        c = fp8_rowcol_grouped_kernel_sass(a.chunk_m, a.num_warps, a.arch, not a.divide)
+        print(f"# FP8 grouped kernel, both 1x128 copies, 128x128 tile in chunks of {a.chunk_m} rows, {a.num_warps} "
+              f"warps, sm_{a.arch}, scales {'by division' if a.divide else 'from the table'}\n")
+    elif a.fp8_blockwise:
         c = fp8_blockwise_kernel_sass(a.fp8_blockwise in ("row", "both"), a.fp8_blockwise in ("col", "both"),
                                       a.block_m, a.block_k, a.num_warps, a.arch)
         print(f"# FP8 1x128 cast kernel, copies: {a.fp8_blockwise}, {a.block_m}x{a.block_k}, {a.num_warps} warps, "

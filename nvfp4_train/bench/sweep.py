@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-Config = tuple[int, int, int] | None  # (block_m, block_k, num_warps); None: the library's default launch
+# (block_m, block_k, num_warps), optionally a kernel's name after them; None: the library's default launch
+Config = tuple[int, int, int] | tuple[int, int, int, str] | None
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,9 @@ def copy_bandwidth(device: torch.device, quick: bool) -> float:
 
 
 def config_label(cfg: Config) -> str:
-    return "default" if cfg is None else f"{cfg[0]}x{cfg[1]}, {cfg[2]}"
+    if cfg is None:
+        return "default"
+    return f"{cfg[0]}x{cfg[1]}, {cfg[2]}" + (f", {cfg[3]}" if len(cfg) > 3 else "")
 
 
 def run_sweep(cases: Sequence[Case], launch: Callable[[object, Config], object],

@@ -25,6 +25,31 @@ def test_count_opcodes_drops_predicates_and_modifiers():
     assert ops == {"LDC": 1, "S2R": 1, "VIADD": 1, "FADD": 2, "NOP": 1, "EXIT": 1}
 
 
+LOOPS = """
+        /*0000*/                   MOV R1, RZ ;
+.L_x_0:
+        /*0010*/                   FADD R2, R2, R3 ;
+        /*0020*/                   ISETP.NE.AND P0, PT, R1, 0x3, PT ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+        /*0040*/                   BRA `(.L_x_2) ;
+.L_x_1:
+        /*0050*/                   FMUL R2, R2, R3 ;
+        /*0060*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_count_opcodes_counts_loop_bodies_by_their_trips():
+    """A branch back to a label above it closes a loop: with trip counts its body counts that many times, in the
+    listing's order; a forward branch is no loop; without trip counts every instruction counts once."""
+    assert sass.count_opcodes(LOOPS) == {"MOV": 1, "FADD": 1, "ISETP": 1, "BRA": 3, "FMUL": 1, "EXIT": 1}
+    assert sass.count_opcodes(LOOPS, (4, 2)) == {"MOV": 1, "FADD": 4, "ISETP": 4, "BRA": 4 + 1 + 2, "FMUL": 2,
+                                                 "EXIT": 1}
+    with pytest.raises(ValueError, match="2 loops, 1 trip counts"):
+        sass.count_opcodes(LOOPS, (4,))
+
+
 @pytest.mark.skipif(not sass.have_nvidia_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
 def test_quantize_kernel_counts_for_sm90():
     rne = sass.quantize_kernel_sass(sr=False)
@@ -54,3 +79,20 @@ def test_fp8_blockwise_kernel_counts_for_sm90():
         assert c.by_op["LDG"] == 16  # 128 bf16 elements per thread in 16-byte loads
         assert c.by_op["F2FP"] > 0  # cvt.rn.satfinite.e4m3x2.f32
     assert both.total > max(row.total, col.total)
+
+
+@pytest.mark.skipif(not sass.have_nvidia_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
+def test_fp8_rowcol_grouped_kernel_counts_for_sm90():
+    """The grouped kernel of both 1x128 copies against the tile kernel it would replace, as both are launched: no
+    spills, fewer registers and instructions; x read twice in 16-byte loads (32 a thread over the two loops, the
+    rest are the scale lookups); and exactly one paired E4M3 conversion per two elements and copy, its halves
+    merged into the stored words (no byte is moved on its own)."""
+    g = sass.fp8_rowcol_grouped_kernel_sass(chunk_m=32)
+    tile = sass.fp8_blockwise_kernel_sass(True, True)
+    per_thread = g.elements // g.threads  # 128
+    assert g.threads == tile.threads == 128 and g.elements == tile.elements == 128 * 128
+    assert g.by_op.get("STL", 0) == g.by_op.get("LDL", 0) == 0
+    assert g.registers < tile.registers and g.total < tile.total
+    assert 2 * per_thread // 8 <= g.by_op["LDG"] < 2 * per_thread // 4
+    assert g.by_op["F2FP"] == per_thread
+    assert "registers per thread" in sass.report(g, 3)

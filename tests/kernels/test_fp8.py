@@ -609,6 +609,74 @@ def test_kernel_scale_layout_is_m_major(triton_device, gen):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the grouped kernel of both 1x128 copies (kernels/fp8/quantize.py: _fp8_rowcol_grouped_kernel) and its scale table
+# ----------------------------------------------------------------------------------------------------------
+def grouped_rowcol(x: torch.Tensor, chunk_m: int = 32) -> tuple[FP8Tensor, FP8Tensor]:
+    from nvfp4_train.kernels.fp8.quantize import quantize_fp8_blockwise_triton
+
+    rd, rs, cd, cs = quantize_fp8_blockwise_triton(x, (1, 128), write_row=True, write_col=True, grouped=True,
+                                                   chunk_m=chunk_m)
+    e4m3 = torch.float8_e4m3fn
+    return FP8Tensor(rd.view(e4m3), rs, (1, 128)), FP8Tensor(cd.view(e4m3), cs, (1, 128))
+
+
+def check_grouped(x: torch.Tensor, device: str, chunk_m: int = 32) -> None:
+    row, col = grouped_rowcol(x.to(device), chunk_m)
+    rref, cref = quantize_fp8_rowcol_ref(x, (1, 128))
+    assert_same(row, rref)
+    assert_same(col, cref)
+    assert row.scale_inv.stride() == (1, x.shape[0]) and col.scale_inv.stride() == (1, x.shape[1])  # M-major
+
+
+def test_scale_table_is_the_recipe_for_every_bf16_amax():
+    """Entry j of the grouped kernel's table: the block scale s (low 32 bits) and scale_inv (high 32 bits) of the
+    block amax whose bf16 magnitude bits are j, against the recipe computed in float64 (s = fp32(448 / amax),
+    FLT_MAX where that overflows, 1 for amax = 0, scale_inv = fp32(1 / s)); NaN for the Inf and NaN patterns."""
+    from nvfp4_train.kernels.fp8.quantize import fp8_scale_table
+
+    tab = fp8_scale_table(torch.device("cpu"))
+    assert tab.dtype == torch.int64 and tab.shape == (1 << 15,)
+    pair = tab.view(torch.float32).view(-1, 2)
+    amax = (torch.arange(1 << 15, dtype=torch.int32) << 16).view(torch.float32).double()
+    finite = torch.isfinite(amax)
+    s = to_f32(448.0 / amax)
+    s = torch.where(torch.isinf(s), torch.full_like(s, FLT_MAX), s)
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    sinv = to_f32(1.0 / s)
+    nan = torch.full_like(s, float("nan"))
+    assert same_f32(pair[:, 0], torch.where(finite, s, nan).float())
+    assert same_f32(pair[:, 1], torch.where(finite, sinv, nan).float())
+    assert int(finite.sum()) == 0x7F80 and bool((pair[0x7F80:].isnan()).all())  # Inf and every NaN pattern
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(set(EDGE_CASES) - {"subnormal_bf16", "outlier_bf16", "outlier_fp32"}))
+def test_grouped_kernel_edge_cases(triton_device, gen, case, dtype):
+    """Both 1x128 copies from the grouped kernel bit for bit against the reference: fp32 input (scales by
+    division) and bf16 input (scales from the table) on every edge case (ties, saturation, subnormal inputs and
+    scales, zero and non-finite blocks)."""
+    check_grouped(EDGE_CASES[case](gen).to(dtype), triton_device)
+
+
+@pytest.mark.triton
+def test_grouped_kernel_random_chunks_and_strides(triton_device, gen, monkeypatch):
+    """Rows and 128-column groups of independent magnitudes, in chunks of 32 (the default) and 128 rows (one step),
+    an outlier per dtype, a transposed (non-contiguous) input, and bf16 input with the table absent (division)."""
+    from nvfp4_train.kernels.fp8 import quantize as Q
+
+    x = random_tensor(gen, (256, 384), torch.bfloat16, spread=6.0)
+    check_grouped(x, triton_device)
+    check_grouped(x, triton_device, chunk_m=128)
+    check_grouped(outlier_tensor(gen, torch.bfloat16), triton_device)
+    check_grouped(outlier_tensor(gen, torch.float32), triton_device, chunk_m=64)
+    base = random_tensor(gen, (384, 256), torch.bfloat16)
+    check_grouped(base.t(), triton_device)  # strides (1, 256)
+    monkeypatch.setattr(Q, "fp8_scale_table", lambda device: None)
+    check_grouped(random_tensor(gen, (128, 256), torch.bfloat16), triton_device)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # GPU: torch scaled_mm against the emulation (run on the H200 with `make test-gpu`)
 # ----------------------------------------------------------------------------------------------------------
 def accumulation_bound(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -639,6 +707,36 @@ def _to(q: FP8Tensor, device) -> FP8Tensor:
 
 GPU_PAIRS = [((1, 128), (128, 128)), ((1, 128), (1, 128)), ((128, 128), (1, 128)), ((128, 128), (128, 128)),
              (None, None)]
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_kernel_captured_before_its_table(gen, monkeypatch):
+    """A CUDA graph captured before the scale table exists (its host-to-device copy cannot be captured) runs the
+    grouped kernel's division path: nothing is built inside the capture, the replay gives the reference's bits, and
+    the next eager call builds the table (and gives them too)."""
+    from nvfp4_train.kernels.fp8 import quantize as Q
+
+    x = random_tensor(gen, (256, 384), torch.bfloat16, spread=6.0).cuda()
+    monkeypatch.setattr(Q, "_SCALE_TABLES", {})
+    table = Q.fp8_scale_table
+    monkeypatch.setattr(Q, "fp8_scale_table", lambda device: None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        grouped_rowcol(x)  # compiles the division kernel: a capture must not compile
+    torch.cuda.current_stream().wait_stream(side)
+    monkeypatch.setattr(Q, "fp8_scale_table", table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        row, col = grouped_rowcol(x)
+    assert not Q._SCALE_TABLES
+    graph.replay()
+    torch.cuda.synchronize()
+    rref, cref = quantize_fp8_rowcol_ref(x.cpu(), (1, 128))
+    assert_same(row, rref)
+    assert_same(col, cref)
+    check_grouped(x.cpu(), "cuda")
+    assert list(Q._SCALE_TABLES) == [torch.device("cuda", torch.cuda.current_device())]
 
 
 @pytest.mark.gpu
