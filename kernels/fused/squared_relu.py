@@ -227,12 +227,10 @@ def _squared_relu_kernel(
 
 
 @triton.jit
-def _row_mask(i: tl.constexpr, rows, M, kmask, EVEN: tl.constexpr):
-    """Where row i of each group ([G, BK]) lies inside the tensor; None for a tile inside it (``EVEN``)."""
-    if EVEN:
-        return None
-    else:
-        return ((rows + i) < M) & kmask
+def _row_mask(i: tl.constexpr, rows, M, kmask):
+    """Where row i of each group ([G, BK]) lies inside the tensor (for a tile that may reach past it; a tile inside
+    it is read and written unmasked: ``EVEN``)."""
+    return ((rows + i) < M) & kmask
 
 
 @triton.jit
@@ -243,8 +241,9 @@ def _sq_row(x_ptr, dy_ptr, offs, i: tl.constexpr, K, rows, M, kmask, chk, KIND: 
     the element type as fp32: what is stored and what the amax reads, ``chk`` with the exponent fields of the
     checked row)."""
     p = i * K + offs
-    out, chk = _sq_elements(x_ptr + p, dy_ptr + p, _row_mask(i, rows, M, kmask, EVEN), chk, KIND, NATIVE, BACKWARD,
-                            CHECK, EVEN)
+    # EVEN: _ld ignores the mask (Triton 3.6 cannot return None from a jitted function, so no None mask is made)
+    out, chk = _sq_elements(x_ptr + p, dy_ptr + p, kmask if EVEN else _row_mask(i, rows, M, kmask), chk, KIND,
+                            NATIVE, BACKWARD, CHECK, EVEN)
     return out, round_to_kind(out, KIND, NATIVE), chk
 
 
@@ -252,7 +251,10 @@ def _sq_row(x_ptr, dy_ptr, offs, i: tl.constexpr, K, rows, M, kmask, chk, KIND: 
 def _st_row(out_ptr, offs, i: tl.constexpr, K, rows, M, kmask, out, KIND: tl.constexpr, NATIVE: tl.constexpr,
             EVEN: tl.constexpr):
     """Store row i of each group of the output (``store_rounded``: the rounding ``round_to_kind`` made of it)."""
-    store_rounded(out_ptr + (i * K + offs), out, _row_mask(i, rows, M, kmask, EVEN), KIND, NATIVE)
+    if EVEN:
+        store_rounded(out_ptr + (i * K + offs), out, None, KIND, NATIVE)
+    else:
+        store_rounded(out_ptr + (i * K + offs), out, _row_mask(i, rows, M, kmask), KIND, NATIVE)
 
 
 @triton.jit(do_not_specialize=["now"])
