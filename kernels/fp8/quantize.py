@@ -14,7 +14,7 @@ Every copy is computed from the tile as loaded (the columnwise 1x128 blocks redu
 the transposed bytes are stored through transposed addresses: no fp32 tile is ever transposed in registers.
 Both 1x128 copies also have a grouped kernel (``_fp8_rowcol_grouped_kernel``, ``grouped=True``; the comment above
 it): each thread holds 4 consecutive rows, so x^T's bytes leave as 32-bit words, and the tile is read in chunks
-twice (sm_90: 15.2 instead of 30.6 instructions per element with Triton 3.7.1, 15.9 instead of 28.6 with 3.6.0;
+twice (sm_90: 15.2 instead of 30.6 instructions per element with Triton 3.7.1, 16.2 instead of 28.6 with 3.6.0;
 72 registers instead of 255 and spills: ``scripts/sass_count.py --fp8-rowcol-grouped``). It is not the default
 until it has been timed on a GPU.
 
@@ -248,10 +248,13 @@ def _fp8_rowcol_grouped_kernel(
         x0, x1, x2, x3 = _load4(x_ptr, r, kk, stride_m, stride_k, BF16_BITS)
         _rowwise4(x0, x1, x2, x3, r, k0, M, K, row_ptr, row_sinv_ptr, tab_ptr, TABLE, G, BK, NATIVE)
         acc = _max_nan(acc, _max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))))
-    cs, csinv = _block_scales(tl.max(acc.to(tl.int32, bitcast=True), axis=0), tab_ptr, TABLE)  # [BK]
+    # the column scales looked up as [G, BK] (each of a column's G rows of threads loads its entry): a [BK] lookup's
+    # result would come back to this layout through stmatrix (Triton 3.6 and 3.7 pick it for that change), the
+    # suspect of the NVFP4 value copies' failure on the H200 (docs/numerics.md): kept out while it is one
+    camax = tl.broadcast_to(tl.max(acc.to(tl.int32, bitcast=True), axis=0)[None, :], [G, BK])
+    cs, csinv = _block_scales(camax, tab_ptr, TABLE)  # [G, BK], equal along G
     # scale_inv [K, M/128] stored K-major: (k, mb) at k + mb * K
-    tl.store(col_sinv_ptr + tl.reshape(kk, [BK]) + (m0 // 128) * K, csinv)
-    cs = cs[None, :]
+    tl.store(col_sinv_ptr + kk + (m0 // 128) * K + 0 * g4, csinv, mask=g4 == 0)
     for c in range(0, BM // CM):
         x0, x1, x2, x3 = _load4(x_ptr, m0 + c * CM + g4, kk, stride_m, stride_k, BF16_BITS)
         w = _e4m3_word(x0 * cs, x1 * cs, x2 * cs, x3 * cs, NATIVE)

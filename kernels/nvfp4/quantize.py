@@ -11,8 +11,8 @@ holding ``e2m1(code) * fp32(sdec_b)`` without the tensor scale: the bits ``_dequ
 (``_values16``). Every such value has at most 6 significant bits and lies in [2^-10, 2688], so it is exact in
 either dtype; a NaN block scale (the non-finite policy) gives NaN values. The tensor scale stays with the amax,
 for the GEMM's alpha. Writing 2 bytes per element here instead of 0.5625 saves the dequantize pass's read of
-the packed copy and its 2-byte write (1.125 bytes per element in all), for about 5 to 6.5 more instructions per
-element and copy (sm_90, 64x128: 51.5 for the row copy as values, RNE; 82.8 for both, SR; the same 128 registers).
+the packed copy and its 2-byte write (1.125 bytes per element in all), for more instructions per element (sm_90,
+64x128, Triton 3.7.1: 56.0 with the row copy as values against 46.5, RNE; 89.0 with both against 70.1, SR).
 
 Two launches, because the per-tensor amax must be known before any block can be scaled:
   1. an amax kernel reads x once and reduces max|x| (and max|RHT(x^T)| for a mixed columnwise copy) with
@@ -278,14 +278,24 @@ def _values16(codes, scale, BF16: tl.constexpr):
 
 
 @triton.jit
-def _join16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15, G: tl.constexpr,
-            KB: tl.constexpr):
-    """16 tensors [G, KB, 16] as one [G, KB, 16, 16] whose last index i picks v_i: each ``tl.join`` appends a dim of
-    2 (held by one thread), so joining i with i + 8 first, then + 4, + 2, + 1 leaves the row-major index
-    8 b0 + 4 b1 + 2 b2 + b3 = i, and the reshape moves no data."""
-    e = tl.join(tl.join(tl.join(v0, v8), tl.join(v4, v12)), tl.join(tl.join(v2, v10), tl.join(v6, v14)))
-    o = tl.join(tl.join(tl.join(v1, v9), tl.join(v5, v13)), tl.join(tl.join(v3, v11), tl.join(v7, v15)))
-    return tl.reshape(tl.join(e, o), [G, KB, 16, 16])
+def _values32(codes_a, codes_b, scale, BF16: tl.constexpr):
+    """``_values16`` of two rows' codes as one 32-bit word (int32): row a's 16-bit value in the low half, row b's in
+    the high half (little-endian: a at the lower address). For bf16 the two top halves of the exact fp32 values,
+    one byte permute on the GPU."""
+    va = _e2m1_f16((codes_a & 0xF).to(tl.uint16)) * scale
+    vb = _e2m1_f16((codes_b & 0xF).to(tl.uint16)) * scale
+    if BF16:
+        w = (u32(va.to(tl.float32)) >> 16) | (u32(vb.to(tl.float32)) & 0xFFFF0000)
+    else:
+        w = va.to(tl.uint16, bitcast=True).to(tl.uint32) | (vb.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+    return w.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _values64(lo, hi):
+    """Two ``_values32`` words as one int64, ``lo`` in the low half."""
+    return (lo.to(tl.uint32, bitcast=True).to(tl.uint64) | (hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)).to(
+        tl.int64, bitcast=True)
 
 
 @triton.jit
@@ -544,21 +554,24 @@ def _quantize_grouped_kernel(
             c14 = _codes(x14 * enc, cbase + 14, ckey, COL_SR, ASM)
             c15 = _codes(x15 * enc, cbase + 15, ckey, COL_SR, ASM)
         if COL_VALUES:
-            # x^T row k, the 16 values of group g (32 bytes, one thread's): k * M + m0 + 16 g + i. A NaN block
-            # scale makes the values NaN whatever the codes, so none are zeroed.
+            # x^T row k, the 16 values of group g (32 bytes, one thread's): k * M + m0 + 16 g + i, stored as 4 words of
+            # 64 bits (rows 4j .. 4j + 3) at word (k * M + m0 + 16 g) / 4 + j. The store's layout change then goes
+            # through shared memory by plain stores: of 16-bit values (and of 32-bit words) Triton 3.6 makes it with
+            # stmatrix, which the value copies that failed on the H200 (2026-12-05) had, as did the fp32-input column
+            # copy while it failed there (above), and no launch of this kernel that passed there has. Other kernels
+            # use stmatrix and pass on the H200, so it is the suspect, not a proof. A NaN block scale makes the
+            # values NaN whatever the codes, so none are zeroed.
             gi = m0 // 16 + tl.arange(0, G)[:, None, None]
             cmask = (gi < M // 16) & kmask
             sc = _e4m3_f16(csb)
-            vals = _join16(_values16(c0, sc, VALUES_BF16), _values16(c1, sc, VALUES_BF16),
-                           _values16(c2, sc, VALUES_BF16), _values16(c3, sc, VALUES_BF16),
-                           _values16(c4, sc, VALUES_BF16), _values16(c5, sc, VALUES_BF16),
-                           _values16(c6, sc, VALUES_BF16), _values16(c7, sc, VALUES_BF16),
-                           _values16(c8, sc, VALUES_BF16), _values16(c9, sc, VALUES_BF16),
-                           _values16(c10, sc, VALUES_BF16), _values16(c11, sc, VALUES_BF16),
-                           _values16(c12, sc, VALUES_BF16), _values16(c13, sc, VALUES_BF16),
-                           _values16(c14, sc, VALUES_BF16), _values16(c15, sc, VALUES_BF16), G, KB)
-            mv = 16 * gi[:, :, :, None] + tl.arange(0, 16)[None, None, None, :]
-            tl.store(col_values_ptr + k[:, :, :, None] * M + mv, vals, mask=cmask[:, :, :, None])
+            w01 = _values64(_values32(c0, c1, sc, VALUES_BF16), _values32(c2, c3, sc, VALUES_BF16))
+            w23 = _values64(_values32(c4, c5, sc, VALUES_BF16), _values32(c6, c7, sc, VALUES_BF16))
+            w45 = _values64(_values32(c8, c9, sc, VALUES_BF16), _values32(c10, c11, sc, VALUES_BF16))
+            w67 = _values64(_values32(c12, c13, sc, VALUES_BF16), _values32(c14, c15, sc, VALUES_BF16))
+            vals = tl.reshape(tl.join(tl.join(w01, w45), tl.join(w23, w67)), [G, KB, 16, 4])  # [.., p, q] -> 2p + q
+            mv = 4 * gi[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]
+            col_words = col_values_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+            tl.store(col_words + k[:, :, :, None] * (M // 4) + mv, vals, mask=cmask[:, :, :, None])
         else:
             if not (COL_SR and not BLOCK_2D) and not (ROW_SR and BLOCK_2D):
                 lo = _pack8_lowbyte(c0, c1, c2, c3, c4, c5, c6, c7, ASM)  # RNE codes: junk above bit 22
