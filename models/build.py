@@ -18,7 +18,7 @@ from nvfp4_train.models.hybrid import HybridModel, HybridStack
 from nvfp4_train.models.layers import RMSNorm, hand_input_grad_check_to_norm
 from nvfp4_train.models.pattern import HybridPattern
 from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
-from nvfp4_train.mcore_compat.rope import install_fused_rope
+from nvfp4_train.mcore_compat.rope import install_fused_qkv_rope, install_fused_rope
 from nvfp4_train.mcore_compat.wgrad import install_wgrad_accumulation
 from nvfp4_train.precision.layer_map import LayerPrecisionMap
 
@@ -67,11 +67,15 @@ def transformer_config(
     with our kernels installed behind them; None: none (megatron's unfused paths, e.g. for a model trained without
     megatron's DDP, whose gradient buffers the fused weight gradient needs)."""
     fusion = fusion if fusion is not None else FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=False,
-                                                             mamba=False, activation=False, rms_norm=False)
+                                                             mamba=False, activation=False, rms_norm=False,
+                                                             qkv_rope=False)
     if fusion.wgrad_accumulation:
         install_wgrad_accumulation()
     if fusion.rope and model_cfg.position_embedding == "rope":
         install_fused_rope()  # before TransformerConfig: its validation refuses apply_rope_fusion without a kernel
+    qkv_rope = fusion.qkv_rope and model_cfg.position_embedding == "rope"  # megatron asserts the path is taken
+    if qkv_rope:
+        install_fused_qkv_rope()
     if sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards the sequence over TP)")
     act, gated = _activation(model_cfg.activation)
@@ -101,6 +105,7 @@ def transformer_config(
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=fusion.rope and model_cfg.position_embedding == "rope",
+        fused_single_qkv_rope=qkv_rope,
         cross_entropy_loss_fusion=fusion.cross_entropy,  # HybridModel.compute_language_model_loss: our kernel
         gradient_accumulation_fusion=fusion.wgrad_accumulation,
         persist_layer_norm=False,

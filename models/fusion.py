@@ -1,7 +1,7 @@
 """Which fused kernels the model's step runs (the ``fusion`` config section).
 
 Each switch names one fusion of the step's non-GEMM work; the unfused arithmetic stays the reference it is
-tested against. Three of them are megatron-core's own ``TransformerConfig`` switches, which the model builder
+tested against. Four of them are megatron-core's own ``TransformerConfig`` switches, which the model builder
 sets from here (``nvfp4_train.models.build.transformer_config``); megatron's code paths then call our kernels
 (``nvfp4_train.mcore_compat.fusions``):
 
@@ -13,6 +13,11 @@ field                       megatron-core's switch              what runs instea
                                                                 unfused bf16 arithmetic
 ``cross_entropy``           ``cross_entropy_loss_fusion``       vocab-parallel cross-entropy that reads the
                                                                 bf16 logits once per direction (fp32 math)
+``qkv_rope``                ``fused_single_qkv_rope``           q and k rotated where the qkv projection wrote
+                                                                them, the query not copied to its own layout
+                                                                first, the three gradients written into one
+                                                                tensor (no concatenation); bitwise the split
+                                                                path
 ``wgrad_accumulation``      ``gradient_accumulation_fusion``    each weight gradient GEMM adds into the fp32
                                                                 ``main_grad`` in its epilogue (beta = 1); the
                                                                 word embedding adds its gradient rows into it
@@ -46,13 +51,18 @@ __all__ = ["FusionConfig"]
 
 @dataclass(kw_only=True)
 class FusionConfig:
-    """Fused kernels of the training step (the ``fusion`` section). Each is on by default but ``activation`` and
-    ``rms_norm``, whose kernels have passed their tests on CPU and under Triton's interpreter but not yet on a GPU
-    (``docs/benchmarks.md``, "Not measured yet"); ``false`` runs the unfused reference arithmetic (for numerics
-    comparisons and benchmarks)."""
+    """Fused kernels of the training step (the ``fusion`` section). Each is on by default but ``qkv_rope``,
+    ``activation`` and ``rms_norm``, whose kernels have passed their tests on CPU and under Triton's interpreter but
+    not yet on a GPU (``docs/benchmarks.md``, "Not measured yet"); ``false`` runs the unfused reference arithmetic
+    (for numerics comparisons and benchmarks)."""
 
     rope: bool = True
     """Rotary embedding in one kernel per direction (bitwise the unfused arithmetic)."""
+    qkv_rope: bool = False
+    """megatron's fused qkv rotary path: q and k rotated where the qkv projection wrote them (no copy of the query
+    to [s, b, heads, d] before the rotary embedding), their gradients and v's written into one tensor (no
+    concatenation after it); bitwise the split path. Models with the rotary embedding only. Off until its GPU tests
+    pass."""
     cross_entropy: bool = True
     """Vocab-parallel cross-entropy over the bf16 logits in fp32, the logits read once per direction."""
     wgrad_accumulation: bool = True

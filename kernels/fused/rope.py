@@ -71,6 +71,8 @@ from nvfp4_train.kernels.fused.rope_reference import (
 
 __all__ = [
     "apply_rope",
+    "apply_rope_qkv",
+    "apply_rope_qkv_ref",
     "apply_rope_ref",
     "rope_tables",
     "rope_forward_triton",
@@ -88,13 +90,17 @@ TILE_INTERPRETER = 1 << 15
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, S, B, H, stride_s, stride_b, stride_h, stride_d,
+    x_ptr, cos_ptr, sin_ptr, out_ptr, S, B, H, stride_s, stride_b, stride_g, stride_h, stride_d,
+    os_s, os_b, os_g, os_h,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_P: tl.constexpr, KIND: tl.constexpr, NATIVE: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_P: tl.constexpr, KIND: tl.constexpr, NATIVE: tl.constexpr, BACKWARD: tl.constexpr, HG: tl.constexpr,
 ):
     """Positions [program_id(0) * BLOCK_S, +BLOCK_S) x head vectors [program_id(1) * BLOCK_R, +BLOCK_R) of
-    their B*H of x (strided) -> the contiguous out [S, B, H, D]; tiles [BLOCK_S, BLOCK_R, BLOCK_H].
-    BACKWARD: x is the output gradient (module docstring)."""
+    their B*H of x (strided) -> out (strided, the last dim contiguous); tiles [BLOCK_S, BLOCK_R, BLOCK_H].
+    Head h lies at group h // HG, head h % HG of the group (strides ``stride_g``/``os_g`` and ``stride_h``/``os_h``):
+    HG = 1 for a plain [s, b, h, d] tensor, the query heads per KV group for q read from (or its gradient written
+    into) megatron's fused qkv layout [s, b, groups, (HG + 2) * d]. BACKWARD: x is the output gradient (module
+    docstring)."""
     ROT: tl.constexpr = 2 * HALF
     PASS: tl.constexpr = D - ROT
     pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -102,9 +108,12 @@ def _rope_kernel(
     pos = pos.to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # b_idx * H + h_idx (int32: B * H is small)
     rmask = r < B * H
-    row = (r // H).to(tl.int64) * stride_b + (r % H).to(tl.int64) * stride_h
+    bi = (r // H).to(tl.int64)
+    gi = ((r % H) // HG).to(tl.int64)
+    hi_ = ((r % H) % HG).to(tl.int64)
+    row = bi * stride_b + gi * stride_g + hi_ * stride_h
     row_in = (pos * stride_s)[:, None] + row[None, :]  # [BLOCK_S, BLOCK_R] element offsets into x
-    row_out = (pos[:, None] * (B * H) + r[None, :]) * D
+    row_out = (pos * os_s)[:, None] + (bi * os_b + gi * os_g + hi_ * os_h)[None, :]
     row_mask = smask[:, None] & rmask[None, :]
 
     k = tl.arange(0, BLOCK_H)
@@ -152,11 +161,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: bool) -> torch.Tensor:
-    if x.dim() != 4 or x.dtype not in KIND:
+def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: bool,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel over x [s, b, h, d] or, 5-D, [s, b, groups, heads per group, d] (q in megatron's fused qkv
+    layout: its heads are the groups' heads in order) into ``out`` (of x's shape, the last dim contiguous; a
+    fresh contiguous [s, b, h, d] when None, returned as such)."""
+    if x.dim() not in (4, 5) or x.dtype not in KIND:
         raise ValueError(f"the rotary embedding takes a [s, b, h, d] bfloat16, float16 or float32 tensor, got "
                          f"{x.dtype} {tuple(x.shape)}")
-    S, B, H, D = x.shape
+    x5 = x if x.dim() == 5 else x.unsqueeze(3)  # [s, b, groups, heads per group, d]
+    S, B, NG, HG, D = x5.shape
+    H = NG * HG
     rot = cos_.shape[-1]
     if cos_.shape != (S, rot) or sin_.shape != (S, rot) or cos_.dtype != x.dtype or sin_.dtype != x.dtype:
         raise ValueError(f"cos_ and sin_ must be [{S}, rot_dim] tables of {x.dtype} (rope_tables), got "
@@ -164,7 +179,14 @@ def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: b
     if rot % 2 != 0 or rot > D:
         raise ValueError(f"rot_dim={rot} must be even and at most the head dim {D}")
     cos_, sin_ = cos_.contiguous(), sin_.contiguous()
-    out = torch.empty((S, B, H, D), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((S, B, H, D), dtype=x.dtype, device=x.device)
+        out5 = out.view(S, B, NG, HG, D)
+    else:
+        out5 = out if out.dim() == 5 else out.unsqueeze(3)
+        if out5.shape != x5.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+            raise ValueError(f"out must be a {x.dtype} tensor of shape {tuple(x.shape)} with a contiguous last "
+                             f"dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if out.numel() == 0:
         return out
     half, rows = rot // 2, B * H
@@ -177,9 +199,9 @@ def _launch(x: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, backward: b
     kind = KIND[x.dtype]
     grid = (cdiv(S, block_s), cdiv(rows, block_r))
     _rope_kernel[grid](
-        kernel_bits(x), kernel_bits(cos_), kernel_bits(sin_), kernel_bits(out), S, B, H, *x.stride(),
-        D=D, HALF=half, BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p, KIND=kind,
-        NATIVE=x.is_cuda, BACKWARD=backward, num_warps=num_warps, enable_fp_fusion=False,
+        kernel_bits(x), kernel_bits(cos_), kernel_bits(sin_), kernel_bits(out), S, B, H, *x5.stride(),
+        *out5.stride()[:4], D=D, HALF=half, BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_P=block_p,
+        KIND=kind, NATIVE=x.is_cuda, BACKWARD=backward, HG=HG, num_warps=num_warps, enable_fp_fusion=False,
     )
     return out
 
@@ -240,3 +262,66 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         return apply_rope_ref(t, freqs)
     cos_, sin_ = rope_tables(freqs, t.dtype)
     return _RoPE.apply(t, cos_, sin_)
+
+
+def apply_rope_qkv_ref(mixed: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                       split: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron's split path: the fused qkv projection's output ``mixed`` [s, b, groups, (heads per group + 2) * d]
+    split as ``split`` = [heads per group * d, d, d] (``torch.split`` on dim 3), the query reshaped to [s, b, heads,
+    d], then the rotary embedding of q and k (``apply_rope_ref``); v is the split's view."""
+    q, k, v = torch.split(mixed, split, dim=3)
+    q = q.reshape(q.size(0), q.size(1), -1, split[1])
+    return apply_rope_ref(q, q_freqs), apply_rope_ref(k, k_freqs), v
+
+
+def _check_qkv(mixed: torch.Tensor, split) -> tuple[int, int]:
+    """(heads per group, head dim) of ``split``, checked against ``mixed``."""
+    split = [int(n) for n in split]
+    if mixed.dim() != 4 or len(split) != 3 or split[1] != split[2] or split[1] <= 0 or split[0] % split[1] \
+            or sum(split) != mixed.shape[-1]:
+        raise ValueError(f"the fused qkv rotary embedding takes megatron's [s, b, groups, (heads per group + 2) * "
+                         f"head_dim] and the split [heads per group * head_dim, head_dim, head_dim], got "
+                         f"{tuple(mixed.shape)} and {split}")
+    return split[0] // split[1], split[1]
+
+
+class _RoPEQKV(torch.autograd.Function):
+    """q and k of the fused qkv output with the rotary embedding, v its view: forward, two launches that read q and
+    k where they lie (no copy of q to [s, b, heads, d] first); backward, the gradient of the fused output written
+    in place: two launches write q's and k's gradients into its slots, one copy puts v's (no concatenation)."""
+
+    @staticmethod
+    def forward(ctx, mixed, qc, qs, kc, ks, hg, d):
+        ctx.save_for_backward(qc, qs, kc, ks)
+        ctx.hg, ctx.d = hg, d
+        q = _launch(mixed[..., : hg * d].unflatten(-1, (hg, d)), qc, qs, backward=False)
+        k = _launch(mixed[..., hg * d: (hg + 1) * d], kc, ks, backward=False)
+        return q, k, mixed[..., (hg + 1) * d:]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        qc, qs, kc, ks = ctx.saved_tensors
+        hg, d = ctx.hg, ctx.d
+        s, b, ng = dk.shape[:3]
+        grad = torch.empty((s, b, ng, (hg + 2) * d), dtype=dk.dtype, device=dk.device)
+        _launch(dq.unflatten(2, (ng, hg)), qc, qs, backward=True, out=grad[..., : hg * d].unflatten(-1, (hg, d)))
+        _launch(dk, kc, ks, backward=True, out=grad[..., hg * d: (hg + 1) * d])
+        grad[..., (hg + 1) * d:].copy_(dv)
+        return grad, None, None, None, None, None, None
+
+
+def apply_rope_qkv(mixed: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                   split: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``apply_rope_qkv_ref`` bit for bit, forward and backward: the rotated query [s, b, heads, d] and key [s, b,
+    groups, d] (fresh, contiguous) and the value (a view of ``mixed``), without the query's copy to its own layout
+    before the rotary embedding nor the concatenation of the three gradients after it (megatron-core's
+    ``fused_single_qkv_rope``)."""
+    hg, d = _check_qkv(mixed, split)
+    s, b, ng = mixed.shape[:3]
+    check_rope_input(mixed[..., :d], q_freqs)  # a [s, b, groups, d] view: the checks look at s, d, dtype
+    check_rope_input(mixed[..., :d], k_freqs)
+    if not use_triton(mixed):
+        return apply_rope_qkv_ref(mixed, q_freqs, k_freqs, split)
+    qc, qs = rope_tables(q_freqs, mixed.dtype)
+    kc, ks = rope_tables(k_freqs, mixed.dtype)
+    return _RoPEQKV.apply(mixed, qc, qs, kc, ks, hg, d)

@@ -20,18 +20,28 @@ What else reads the switch, in both releases, and why it is safe:
   error without it); the fused function refuses it too.
 - multi-latent attention (``multi_latent_attention=True``) with the switch calls megatron's own MLA/YaRN fused
   kernels, not these globals; our models have no MLA.
-- ``fused_single_qkv_rope`` (the qkv-unsplit Transformer Engine kernel) is a separate switch, left off;
-  ``rotary_pos_cos``/``rotary_pos_sin`` (flash decoding, flashinfer) are inference-only and do not read it.
+- ``rotary_pos_cos``/``rotary_pos_sin`` (flash decoding, flashinfer) are inference-only and do not read it.
+
+And megatron's ``fused_single_qkv_rope`` switch (``fusion.qkv_rope``): with it, ``Attention.forward`` (0.16.1 ...
+0.19.x, the same code) asks ``get_query_key_value_tensors`` for the unsplit qkv projection output and the split
+sizes, and calls the module global ``apply_fused_qkv_rotary_pos_emb(mixed_qkv, q_freqs, k_freqs, split)`` instead
+of splitting, copying the query to [s, b, heads, d] and applying the rotary embedding to q and k (and, backward,
+concatenating the three gradients). It takes that path only where the module global ``HAVE_FUSED_QKV_ROPE`` is
+True (Transformer Engine's kernel importable) and asserts when the switch is on and the path is not taken (no
+rotary embedding, packed sequences, megatron's inference context, q/k norms, flash decoding):
+:func:`install_fused_qkv_rope` sets both globals to :func:`fused_qkv_rotary_pos_emb`
+(``kernels/fused/rope.py: apply_rope_qkv``, bitwise the split path), and the model builder sets the switch only
+for a model with the rotary embedding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nvfp4_train.kernels.fused.rope import apply_rope
+from nvfp4_train.kernels.fused.rope import apply_rope, apply_rope_qkv
 
-__all__ = ["install_fused_rope", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
-           "rotary_follows_model"]
+__all__ = ["install_fused_rope", "install_fused_qkv_rope", "fused_apply_rotary_pos_emb",
+           "fused_apply_rotary_pos_emb_thd", "fused_qkv_rotary_pos_emb", "rotary_follows_model"]
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
@@ -64,6 +74,29 @@ def install_fused_rope() -> None:
 
     rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
     rope_utils.fused_apply_rotary_pos_emb_thd = fused_apply_rotary_pos_emb_thd
+
+
+def fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, qkv_split_arg_list,
+                             tensor_format: str = "sbhd", interleaved: bool = False, cp_size: int = 1,
+                             cp_rank: int = 0, start_positions=None):
+    """megatron's ``apply_fused_qkv_rotary_pos_emb`` (its Transformer Engine signature) by ``apply_rope_qkv``: the
+    fused qkv output [s, b, groups, (heads per group + 2) * d] -> (query [s, b, heads, d], key [s, b, groups, d],
+    value [s, b, groups, d]). Another tensor format, interleaving, context parallelism and start positions are
+    refused (megatron passes none of them on this path)."""
+    if tensor_format != "sbhd" or interleaved or cp_size != 1 or start_positions is not None:
+        raise ValueError(f"the fused qkv rotary embedding takes sbhd tensors, non-interleaved, without context "
+                         f"parallelism or start positions (got tensor_format={tensor_format!r}, interleaved="
+                         f"{interleaved}, cp_size={cp_size}, start_positions={start_positions is not None}); set "
+                         f"fusion.qkv_rope=false")
+    return apply_rope_qkv(qkv, q_freqs, k_freqs, qkv_split_arg_list)
+
+
+def install_fused_qkv_rope() -> None:
+    """Make megatron-core's ``fused_single_qkv_rope=True`` run :func:`fused_qkv_rotary_pos_emb` (idempotent)."""
+    from megatron.core.transformer import attention
+
+    attention.apply_fused_qkv_rotary_pos_emb = fused_qkv_rotary_pos_emb
+    attention.HAVE_FUSED_QKV_ROPE = True
 
 
 def _get_emb_on_its_device(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:

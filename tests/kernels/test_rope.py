@@ -16,6 +16,8 @@ import torch
 
 from nvfp4_train.kernels.fused.rope import (
     apply_rope,
+    apply_rope_qkv,
+    apply_rope_qkv_ref,
     rope_backward_triton,
     rope_forward_triton,
     rope_tables,
@@ -234,6 +236,49 @@ def test_kernels_on_edge_shapes(gen, triton_device, s, b, h, d, rot):
 # ------------------------------------------------------------------------------------------------------------
 # GPU: the production shape against megatron on CUDA, and under CUDA-graph capture
 # ------------------------------------------------------------------------------------------------------------
+
+
+def _qkv_case(gen, device, dtype, s, b, ng, hg, d, rot):
+    mixed = edge_values((s, b, ng, (hg + 2) * d), dtype, gen).to(device)
+    return mixed, general_freqs(s, rot, gen).to(device), general_freqs(s, rot, gen).to(device), [hg * d, d, d]
+
+
+def check_qkv(mixed, qf, kf, split, gen) -> None:
+    """``apply_rope_qkv`` against the split path (``apply_rope_qkv_ref``) bit for bit: q, k, v and the gradient of
+    the fused output for random output gradients (edge values: -0, subnormals, Inf, NaN); v is a view of it."""
+    m_f = mixed.detach().requires_grad_(True)
+    m_r = mixed.detach().requires_grad_(True)
+    out_f = apply_rope_qkv(m_f, qf, kf, split)
+    out_r = apply_rope_qkv_ref(m_r, qf, kf, split)
+    for a, b in zip(out_f, out_r):
+        assert_same_bits(a, b)
+    assert out_f[0].is_contiguous() and out_f[1].is_contiguous()
+    assert out_f[2].data_ptr() == mixed.data_ptr() + (split[0] + split[1]) * mixed.element_size()  # v: a view
+    grads = [edge_values(t.shape, mixed.dtype, gen).to(mixed.device) for t in out_r]
+    torch.autograd.backward(out_f, grads)
+    torch.autograd.backward(out_r, grads)
+    assert_same_bits(m_f.grad, m_r.grad)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", ROPE_DTYPES, ids=str)
+@pytest.mark.parametrize("hg,d,rot", [(2, 64, 64), (1, 64, 32), (4, 80, 80), (3, 96, 48)])
+def test_qkv_kernels_match_the_split_path(gen, triton_device, dtype, hg, d, rot):
+    """q and k rotated where the fused qkv output holds them, their gradients and v's written into one gradient
+    (megatron's ``fused_single_qkv_rope``): bitwise the split path (split, the query's reshape copy, the rotary
+    embedding of q and k, the concatenation of the gradients) for every dtype, GQA grouping (1 to 4 query heads per
+    group), whole and partial rotations."""
+    check_qkv(*_qkv_case(gen, triton_device, dtype, 9, 2, 3, hg, d, rot), gen)
+
+
+@pytest.mark.triton
+def test_qkv_kernels_on_edge_shapes_and_bad_splits(gen, triton_device):
+    check_qkv(*_qkv_case(gen, triton_device, torch.bfloat16, 1, 1, 1, 1, 2, 2), gen)
+    check_qkv(*_qkv_case(gen, triton_device, torch.float32, 5, 3, 7, 2, 16, 8), gen)
+    mixed, qf, kf, _ = _qkv_case(gen, triton_device, torch.bfloat16, 4, 1, 2, 2, 8, 8)
+    for split in ([16, 8], [16, 8, 4], [12, 8, 8], [8, 8, 8]):
+        with pytest.raises(ValueError, match="heads per group"):
+            apply_rope_qkv(mixed, qf, kf, split)
 
 
 @pytest.mark.gpu

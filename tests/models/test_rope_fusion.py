@@ -1,6 +1,6 @@
-"""megatron-core's ``apply_rope_fusion=True`` served by our fused rotary embedding
-(``nvfp4_train.mcore_compat.rope``): the switch validates, refuses what the kernel does not do, and a rope model
-gives the unfused path's outputs and gradients bit for bit."""
+"""megatron-core's ``apply_rope_fusion=True`` and ``fused_single_qkv_rope=True`` served by our fused rotary
+embedding (``nvfp4_train.mcore_compat.rope``): the switches validate, refuse what the kernels do not do, and a rope
+model gives the unfused path's outputs and gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from nvfp4_train.mcore_compat.rope import (
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
+    fused_qkv_rotary_pos_emb,
+    install_fused_qkv_rope,
     install_fused_rope,
 )
 from nvfp4_train.mcore_compat.transformer import no_cuda_graph_kwargs
@@ -141,3 +143,78 @@ def test_rope_model_fused_kernel_equals_unfused_bitwise(single_rank, triton_devi
     """The Triton kernels inside megatron's SelfAttention (the interpreter on CPU, natively on a GPU)."""
     _fused_equals_unfused(triton_device, monkeypatch)
 
+
+
+def _qkv_fused_equals_split(device: str, monkeypatch) -> None:
+    """The same model and batch on megatron's split path (q and k rotated by our per-tensor kernel, as the default
+    fusion runs it), then with ``fused_single_qkv_rope``: the per-token losses and every gradient agree bit for
+    bit, and the fused qkv op ran once per attention block (not the per-tensor one)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    install_fused_rope()
+    install_fused_qkv_rope()
+    mc, model = _rope_model(device)
+    calls, qkv_calls = [], []
+
+    def counted(t, freqs, **kw):
+        calls.append(tuple(t.shape))
+        return fused_apply_rotary_pos_emb(t, freqs, **kw)
+
+    def counted_qkv(qkv, qf, kf, split, **kw):
+        qkv_calls.append(tuple(qkv.shape))
+        return fused_qkv_rotary_pos_emb(qkv, qf, kf, split, **kw)
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", counted)
+    monkeypatch.setattr(attention, "apply_fused_qkv_rotary_pos_emb", counted_qkv)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, mc.vocab_size, (2, 64), generator=g).to(device)
+    pos = torch.arange(64, device=device)[None].expand(2, 64)
+    with sdpa_kernel(SDPBackend.MATH):
+        model.config.apply_rope_fusion = True
+        try:
+            loss_s, grads_s = _step(model, ids, pos)
+            model.config.fused_single_qkv_rope = True
+            loss_f, grads_f = _step(model, ids, pos)
+        finally:
+            model.config.apply_rope_fusion = False
+            model.config.fused_single_qkv_rope = False
+    assert len(calls) == 4 and len(qkv_calls) == 2  # split: q and k of 2 blocks; fused: one call per block
+    assert torch.equal(loss_f, loss_s)
+    for name in grads_s:
+        assert torch.equal(grads_f[name], grads_s[name]), name
+
+
+def test_qkv_rope_model_equals_the_split_path_bitwise(single_rank, monkeypatch):
+    """On CPU without the interpreter the fused qkv op runs its reference: megatron's wiring of the switch."""
+    _qkv_fused_equals_split("cpu", monkeypatch)
+
+
+@pytest.mark.triton
+def test_qkv_rope_model_kernels_equal_the_split_path_bitwise(single_rank, triton_device, monkeypatch):
+    """The Triton kernels inside megatron's SelfAttention (the interpreter on CPU, natively on a GPU)."""
+    _qkv_fused_equals_split(triton_device, monkeypatch)
+
+
+def test_qkv_switch_installs_validates_and_refuses_what_it_does_not_do():
+    """The builder sets the switch for a rope model only (megatron asserts the fused path is taken once it is on);
+    the installed function refuses what megatron never passes on this path, naming the switch."""
+    from megatron.core.transformer import attention
+
+    from nvfp4_train.models.build import transformer_config
+    from nvfp4_train.models.fusion import FusionConfig
+
+    rope = model_config("tiny").replace(position_embedding="rope", pattern="*-*-", num_layers=4)
+    cfg = transformer_config(rope, use_cpu_initialization=True, fusion=FusionConfig(qkv_rope=True))
+    assert cfg.fused_single_qkv_rope and attention.HAVE_FUSED_QKV_ROPE
+    assert attention.apply_fused_qkv_rotary_pos_emb is fused_qkv_rotary_pos_emb
+    assert not transformer_config(rope, use_cpu_initialization=True, fusion=FusionConfig()).fused_single_qkv_rope
+    plain = model_config("tiny").replace(pattern="*-*-", num_layers=4)  # no rotary embedding
+    assert plain.position_embedding != "rope"
+    assert not transformer_config(plain, use_cpu_initialization=True,
+                                  fusion=FusionConfig(qkv_rope=True)).fused_single_qkv_rope
+    qkv, freqs = torch.zeros(4, 1, 2, 32), torch.zeros(4, 1, 1, 8)
+    for kw in ({"tensor_format": "bshd"}, {"interleaved": True}, {"cp_size": 2}, {"start_positions": torch.zeros(1)}):
+        with pytest.raises(ValueError, match="fusion.qkv_rope=false"):
+            fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [16, 8, 8], **kw)
