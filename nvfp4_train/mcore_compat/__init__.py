@@ -11,8 +11,8 @@ package, one module per concern, each function naming the release it is for:
     optimizer        the gradients of the norm (renamed in 0.19), the inner AdamW's fused form and the Adam
                      ``step`` of the distributed optimizer on load (0.16.1 ... 0.19.2)
     dist_ckpt        the dist-checkpoint writer's results queue (a module global of every release)
-    rope             megatron's ``apply_rope_fusion`` served by our fused rotary embedding, and the rotary
-                     frequencies kept on the model's device (0.16.1 ... 0.19.x)
+    rope             megatron's ``apply_rope_fusion`` and ``fused_single_qkv_rope`` served by our fused rotary
+                     embedding, and the rotary frequencies kept on the model's device (0.16.1 ... 0.19.x)
     wgrad            megatron's ``gradient_accumulation_fusion`` without APEX: the Wgrad GEMM adds into
                      ``main_grad`` in cuBLASLt's epilogue (0.16.1 ... 0.19.x)
     jit              ``megatron.core.jit``, its fused helpers compiled at their first call rather than at import
