@@ -167,20 +167,20 @@ def _block_scales(amax, tab_ptr, TABLE: tl.constexpr):
 
 
 @triton.jit
+def _ld_f32(p, BF16_BITS: tl.constexpr):
+    """fp32 values at ``p`` (no mask), bf16 read through its bits (exact, subnormals included)."""
+    if BF16_BITS:
+        return (tl.load(p).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(p).to(tl.float32)
+
+
+@triton.jit
 def _load4(x_ptr, r, kk, stride_m, stride_k, BF16_BITS: tl.constexpr):
     """Rows r + 4g + i (i = 0..3) at columns kk as four fp32 tensors [G, BK] (no mask: the tile is inside x)."""
     p = x_ptr + r * stride_m + kk * stride_k
-    if BF16_BITS:
-        x0 = (tl.load(p).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        x1 = (tl.load(p + stride_m).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        x2 = (tl.load(p + 2 * stride_m).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        x3 = (tl.load(p + 3 * stride_m).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x0 = tl.load(p).to(tl.float32)
-        x1 = tl.load(p + stride_m).to(tl.float32)
-        x2 = tl.load(p + 2 * stride_m).to(tl.float32)
-        x3 = tl.load(p + 3 * stride_m).to(tl.float32)
-    return x0, x1, x2, x3
+    return (_ld_f32(p, BF16_BITS), _ld_f32(p + stride_m, BF16_BITS), _ld_f32(p + 2 * stride_m, BF16_BITS),
+            _ld_f32(p + 3 * stride_m, BF16_BITS))
 
 
 @triton.jit
@@ -340,26 +340,6 @@ def fp8_scale_table(device: torch.device) -> torch.Tensor | None:
     return tab
 
 
-def _rowcol_grouped(x: torch.Tensor, chunk_m: int, num_warps: int):
-    M, K = x.shape
-    dev = x.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    row_data = torch.empty((M, K), dtype=torch.uint8, device=dev)
-    col_data = torch.empty((K, M), dtype=torch.uint8, device=dev)
-    row_sinv = torch.empty((K // 128, M), **f32).t()  # [M, K/128], M-major
-    col_sinv = torch.empty((M // 128, K), **f32).t()  # [K, M/128], K-major
-    bf16 = x.dtype == torch.bfloat16
-    tab = fp8_scale_table(dev) if bf16 else None
-    if M * K:
-        _fp8_rowcol_grouped_kernel[(M // 128 * (K // 128),)](
-            as_kernel_input(x), row_data.view(torch.int32), row_sinv, col_data.view(torch.int32), col_sinv,
-            tab if tab is not None else row_sinv, M, K, x.stride(0), x.stride(1),
-            BF16_BITS=bf16, NATIVE=has_e4m3_convert(x), TABLE=tab is not None, CM=chunk_m,
-            num_warps=num_warps, **_LAUNCH_OPTS,
-        )
-    return row_data, row_sinv, col_data, col_sinv
-
-
 def quantize_fp8_blockwise_triton(
     x: torch.Tensor,
     block: tuple[int, int],
@@ -386,7 +366,6 @@ def quantize_fp8_blockwise_triton(
     tile_2d = block == (128, 128)
     if grouped:
         assert not tile_2d and write_row and write_col and M % 128 == 0 and K % 128 == 0 and chunk_m % 4 == 0
-        return _rowcol_grouped(x, chunk_m, 4 if num_warps is None else num_warps)
     if num_warps is None:
         num_warps = 8 if tile_2d else 4
     if tile_2d:
@@ -404,9 +383,19 @@ def quantize_fp8_blockwise_triton(
     else:
         row_sinv = torch.empty((K // 128, M), **f32).t() if write_row else None  # [M, K/128], M-major
         col_sinv = torch.empty((M // 128, K), **f32).t() if write_col else None  # [K, M/128], K-major
+    bf16 = x.dtype == torch.bfloat16
+    if grouped:
+        tab = fp8_scale_table(dev) if bf16 else None
+        if M * K:
+            _fp8_rowcol_grouped_kernel[(M // 128 * (K // 128),)](
+                as_kernel_input(x), row_data.view(torch.int32), row_sinv, col_data.view(torch.int32), col_sinv,
+                tab if tab is not None else row_sinv, M, K, x.stride(0), x.stride(1),
+                BF16_BITS=bf16, NATIVE=has_e4m3_convert(x), TABLE=tab is not None, CM=chunk_m,
+                num_warps=num_warps, **_LAUNCH_OPTS,
+            )
+        return row_data, row_sinv, col_data, col_sinv
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     dummy_f = torch.empty(1, **f32)
-    bf16 = x.dtype == torch.bfloat16
     _fp8_blockwise_kernel[_grid(M, K, bm, bk)](
         as_kernel_input(x),
         row_data if write_row else dummy, row_sinv if write_row else dummy_f,

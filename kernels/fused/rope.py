@@ -317,7 +317,6 @@ def apply_rope_qkv(mixed: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Te
     before the rotary embedding nor the concatenation of the three gradients after it (megatron-core's
     ``fused_single_qkv_rope``)."""
     hg, d = _check_qkv(mixed, split)
-    s, b, ng = mixed.shape[:3]
     check_rope_input(mixed[..., :d], q_freqs)  # a [s, b, groups, d] view: the checks look at s, d, dtype
     check_rope_input(mixed[..., :d], k_freqs)
     if not use_triton(mixed):

@@ -52,12 +52,12 @@ forward, fc1's output gradient backward. The same launch returns that float32 [2
 
 The maxima are of the ROUNDED outputs (``round_to_kind``: the values stored, as fp32), so ``_squared_relu_value``
 runs as in the flat kernel (the same bits) and the transform and maxima are ``quantize.py``'s own helpers
-(``_rht16``, ``_max16``, NaN-propagating) on the same fp32 values in the same order, with fp contraction off
-(a multiply by ±1/4 then adds: an FMA would skip a rounding). The tail is ``_amax_grouped_kernel``'s: NaN -> +Inf,
-the transform's amax rounded to bf16 once after the max for bf16 input (rounding is monotonic and symmetric, so
-the max of the rounded values is the rounded max) and +Inf wherever amax[0] is (a non-finite output mixes into
-Inf or NaN), one ``tl.atomic_max`` per entry and program into a zeroed buffer (without col_rht the same value
-into both). The check folds in as above, over the checked tensor's loaded values.
+(``_rht16``, ``_max16``, NaN-propagating) on the same fp32 values in the same order, with fp contraction off (a
+multiply by ±1/4 then adds: an FMA would skip a rounding). The tail is ``_amax_grouped_kernel``'s (NaN -> +Inf,
+then its ``publish_amax_pair``): the transform's amax rounded to bf16 once after the max for bf16 input (rounding
+is monotonic and symmetric, so the max of the rounded values is the rounded max) and +Inf wherever amax[0] is (a
+non-finite output mixes into Inf or NaN), one ``tl.atomic_max`` per entry and program into a zeroed buffer (without
+col_rht the same value into both). The check folds in as above, over the checked tensor's loaded values.
 
 Layout of the amax kernel. x (and dy, out) as [M, K] row-major; tiles of [BM, BK] = [16 G, BK]
 (``AMAX_BLOCK_M`` x ``AMAX_BLOCK_K``), each program walking tiles pid, pid + npid, ... (``AMAX_PER_SM`` per
@@ -104,7 +104,7 @@ import triton
 import triton.language as tl
 
 from nvfp4_train.kernels._dispatch import persistent_grid, use_triton
-from nvfp4_train.kernels.fp4_triton import cdiv, round_to_bf16
+from nvfp4_train.kernels.fp4_triton import cdiv
 from nvfp4_train.kernels.fused._elements import KIND, kernel_bits, load_f32, round_to_kind, store_rounded
 from nvfp4_train.kernels.fused.nonfinite import (
     NEVER,
@@ -123,7 +123,7 @@ from nvfp4_train.kernels.fused.squared_relu_reference import (
     squared_relu_forward_amax_ref,
     squared_relu_forward_ref,
 )
-from nvfp4_train.kernels.nvfp4.quantize import _max16, _rht16
+from nvfp4_train.kernels.nvfp4.quantize import _max16, _rht16, publish_amax_pair
 
 __all__ = [
     "NonfiniteCheck",
@@ -328,19 +328,15 @@ def _squared_relu_amax_kernel(
                 y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
             acc_t = tl.maximum(acc_t, _max16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15),
                                nan)
-    # _amax_grouped_kernel's tail: NaN counts as +Inf (tl.max skips NaN), the mixed amax rounded once after the max
-    # (rounding is monotonic) and +Inf wherever the plain one is
+    # _amax_grouped_kernel's tail: NaN counts as +Inf (tl.max skips NaN), then its publish_amax_pair
     acc = tl.where(acc == acc, acc, float("inf"))
     amax = tl.max(tl.max(acc, axis=1), axis=0)
-    tl.atomic_max(amax_ptr, amax)
+    amax_t = amax
     if COL_RHT:
         acc_t = tl.where(acc_t == acc_t, acc_t, float("inf"))
         amax_t = tl.max(tl.max(acc_t, axis=1), axis=0)
-        if KIND == 1:
-            amax_t = round_to_bf16(amax_t)
-        amax_t = tl.where(amax == float("inf"), float("inf"), amax_t)
-        tl.atomic_max(amax_ptr + 1, amax_t)
-    else:
+    publish_amax_pair(amax_ptr, amax, amax_t, COL_RHT, KIND == 1)
+    if not COL_RHT:
         tl.atomic_max(amax_ptr + 1, amax)  # the columnwise copy out^T has out's amax
     if CHECK:
         track_nonfinite_tail(tl.max(chk, axis=0), _EXP32, kept_ptr, clock_ptr, arrivals_ptr, now, NEVER_F, CLOCKED,

@@ -280,15 +280,10 @@ def _values16(codes, scale, BF16: tl.constexpr):
 @triton.jit
 def _values32(codes_a, codes_b, scale, BF16: tl.constexpr):
     """``_values16`` of two rows' codes as one 32-bit word (int32): row a's 16-bit value in the low half, row b's in
-    the high half (little-endian: a at the lower address). For bf16 the two top halves of the exact fp32 values,
-    one byte permute on the GPU."""
-    va = _e2m1_f16((codes_a & 0xF).to(tl.uint16)) * scale
-    vb = _e2m1_f16((codes_b & 0xF).to(tl.uint16)) * scale
-    if BF16:
-        w = (u32(va.to(tl.float32)) >> 16) | (u32(vb.to(tl.float32)) & 0xFFFF0000)
-    else:
-        w = va.to(tl.uint16, bitcast=True).to(tl.uint32) | (vb.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
-    return w.to(tl.int32, bitcast=True)
+    the high half (little-endian: a at the lower address)."""
+    lo = _values16(codes_a, scale, BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    hi = _values16(codes_b, scale, BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    return (lo | (hi << 16)).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -631,11 +626,7 @@ def _amax_grouped_kernel(
         x14 = _ld_row(x_ptr, offs, stride_m, 14, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
         x15 = _ld_row(x_ptr, offs, stride_m, 15, row0, M, kmask, IS_BF16, NATIVE_CVT, EVEN)
         nan: tl.constexpr = tl.PropagateNan.ALL
-        a = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), nan), tl.maximum(tl.abs(x2), tl.abs(x3), nan), nan)
-        b = tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5), nan), tl.maximum(tl.abs(x6), tl.abs(x7), nan), nan)
-        c = tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9), nan), tl.maximum(tl.abs(x10), tl.abs(x11), nan), nan)
-        d = tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13), nan), tl.maximum(tl.abs(x14), tl.abs(x15), nan), nan)
-        acc = tl.maximum(acc, tl.maximum(tl.maximum(a, b, nan), tl.maximum(c, d, nan), nan), nan)
+        acc = tl.maximum(acc, _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15), nan)
         if DO_COL_RHT:
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
@@ -643,11 +634,22 @@ def _amax_grouped_kernel(
                                nan)
     acc = tl.where(acc == acc, acc, float("inf"))
     amax = tl.max(tl.max(tl.max(acc, axis=2), axis=1), axis=0)
-    tl.atomic_max(amax_ptr, amax)
+    amax_t = amax
     if DO_COL_RHT:
-        # a mix that overflows makes Inf - Inf = NaN in other outputs: non-finite, i.e. +Inf (tl.max skips NaN)
         acc_t = tl.where(acc_t == acc_t, acc_t, float("inf"))
         amax_t = tl.max(tl.max(tl.max(acc_t, axis=2), axis=1), axis=0)
+    publish_amax_pair(amax_ptr, amax, amax_t, DO_COL_RHT, IS_BF16)
+
+
+@triton.jit
+def publish_amax_pair(amax_ptr, amax, amax_t, COL_RHT: tl.constexpr, IS_BF16: tl.constexpr):
+    """The end of a program of an amax pass (``_amax_grouped_kernel``, and the squared ReLU's, whose amax must be
+    this one's bit for bit): one atomic max of its max|x| into amax[0] and, with COL_RHT, of its max|RHT(x^T)| into
+    amax[1], both reduced from tiles whose NaN were made +Inf (the GPU's max skips NaN). The mixed amax is rounded to
+    bf16 once, after the max, for bf16 input (rounding is monotonic) and made +Inf wherever the plain one is: a mix
+    that overflows makes Inf - Inf = NaN in other outputs, non-finite all the same."""
+    tl.atomic_max(amax_ptr, amax)
+    if COL_RHT:
         if IS_BF16:
             amax_t = round_to_bf16(amax_t)
         amax_t = tl.where(amax == float("inf"), float("inf"), amax_t)

@@ -149,6 +149,17 @@ def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, obje
     return proc.stdout.decode(), int(regs.group(1))
 
 
+def _tile_kernel_count(kernel, pointers: dict[str, str], ints: dict[str, str], constexprs: dict[str, object],
+                       num_warps: int, arch: int, elements: int, options: dict | None = None,
+                       loop_trips: tuple[int, ...] = ()) -> SassCount:
+    """``kernel`` compiled as launched on a contiguous tensor (every pointer and M, K, stride_m divisible by 16), its
+    opcodes counted per program of ``elements`` elements (loops by ``loop_trips``)."""
+    sass, regs = compile_kernel(kernel, {**pointers, **ints}, constexprs, divisible=[*pointers, "M", "K", "stride_m"],
+                                num_warps=num_warps, arch=arch, options=options)
+    ops = count_opcodes(sass, loop_trips)
+    return SassCount(sum(ops.values()), ops, 32 * num_warps, elements, sass, regs)
+
+
 def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
                          arch: int = 90, values: bool = False) -> SassCount:
     """The fused NVFP4 quantize kernel as the linear layers launch it on a contiguous bf16 tensor (both copies, the
@@ -164,11 +175,8 @@ def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128
     constexprs = dict(WRITE_ROW=True, WRITE_COL=True, BLOCK_2D=False, COL_RHT=True, ROW_SR=sr, COL_SR=sr,
                       IS_BF16=True, NATIVE_CVT=True, EVEN=True, BM=block_m, BK=block_k, ASM=True, SWIZZLE=False,
                       KEY_PTR=False, stride_k=1, ROW_VALUES=values, COL_VALUES=values, VALUES_BF16=True)
-    sass, regs = compile_kernel(_quantize_grouped_kernel, {**pointers, **ints}, constexprs,
-                                divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch,
-                                options=dict(enable_fp_fusion=False))
-    ops = count_opcodes(sass)
-    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass, regs)
+    return _tile_kernel_count(_quantize_grouped_kernel, pointers, ints, constexprs, num_warps, arch,
+                              block_m * block_k, options=dict(enable_fp_fusion=False))
 
 
 def fp8_blockwise_kernel_sass(write_row: bool = True, write_col: bool = True, block_m: int = 128, block_k: int = 128,
@@ -182,10 +190,7 @@ def fp8_blockwise_kernel_sass(write_row: bool = True, write_col: bool = True, bl
     ints = dict(M="i32", K="i32", stride_m="i32")
     constexprs = dict(WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=False, BF16_BITS=True, NATIVE=True,
                       BM=block_m, BK=block_k, stride_k=1)
-    sass, regs = compile_kernel(_fp8_blockwise_kernel, {**pointers, **ints}, constexprs,
-                                divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch)
-    ops = count_opcodes(sass)
-    return SassCount(sum(ops.values()), ops, 32 * num_warps, block_m * block_k, sass, regs)
+    return _tile_kernel_count(_fp8_blockwise_kernel, pointers, ints, constexprs, num_warps, arch, block_m * block_k)
 
 
 def fp8_rowcol_grouped_kernel_sass(chunk_m: int = 32, num_warps: int = 4, arch: int = 90,
@@ -199,12 +204,10 @@ def fp8_rowcol_grouped_kernel_sass(chunk_m: int = 32, num_warps: int = 4, arch: 
                     tab_ptr="*i64")
     ints = dict(M="i32", K="i32", stride_m="i32")
     constexprs = dict(BF16_BITS=True, NATIVE=True, TABLE=table, CM=chunk_m, stride_k=1)
-    sass, regs = compile_kernel(_fp8_rowcol_grouped_kernel, {**pointers, **ints}, constexprs,
-                                divisible=[*pointers, "M", "K", "stride_m"], num_warps=num_warps, arch=arch,
-                                options=dict(enable_fp_fusion=False, enable_reflect_ftz=False))
     trips = 128 // chunk_m
-    ops = count_opcodes(sass, (trips, trips) if trips > 1 else ())
-    return SassCount(sum(ops.values()), ops, 32 * num_warps, 128 * 128, sass, regs)
+    return _tile_kernel_count(_fp8_rowcol_grouped_kernel, pointers, ints, constexprs, num_warps, arch, 128 * 128,
+                              options=dict(enable_fp_fusion=False, enable_reflect_ftz=False),
+                              loop_trips=(trips, trips) if trips > 1 else ())
 
 
 def report(c: SassCount, top: int) -> str:
