@@ -94,6 +94,22 @@ def _step(model, ids, pos):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def _batch(mc, device: str):
+    """Fixed tokens and positions (the comparisons are bitwise: the draw does not matter)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, mc.vocab_size, (2, 64), generator=g).to(device)
+    return ids, torch.arange(64, device=device)[None].expand(2, 64)
+
+
+def _assert_same_step(got, want) -> None:
+    """Two ``_step`` results bit for bit: the per-token losses and every parameter's gradient."""
+    (loss_g, grads_g), (loss_w, grads_w) = got, want
+    assert torch.equal(loss_g, loss_w)
+    assert grads_g.keys() == grads_w.keys()
+    for name in grads_w:
+        assert torch.equal(grads_g[name], grads_w[name]), name
+
+
 def _fused_equals_unfused(device: str, monkeypatch) -> None:
     """The same model and batch with megatron's switch off (twice: the baseline must itself repeat bit for bit),
     then on: the per-token losses and every parameter's gradient agree bit for bit, and the fused op ran for q
@@ -111,26 +127,22 @@ def _fused_equals_unfused(device: str, monkeypatch) -> None:
         return fused_apply_rotary_pos_emb(t, freqs, **kw)
 
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", counted)
-    g = torch.Generator().manual_seed(0)  # fixed tokens: the comparison is bitwise, the draw does not matter
-    ids = torch.randint(0, mc.vocab_size, (2, 64), generator=g).to(device)
-    pos = torch.arange(64, device=device)[None].expand(2, 64)
+    ids, pos = _batch(mc, device)
     assert model.config.apply_rope_fusion is False
     with sdpa_kernel(SDPBackend.MATH):
-        loss_u, grads_u = _step(model, ids, pos)
+        unfused = _step(model, ids, pos)
         loss_u2, grads_u2 = _step(model, ids, pos)
         assert calls == []
         model.config.apply_rope_fusion = True  # every block shares the model's config
         try:
-            loss_f, grads_f = _step(model, ids, pos)
+            fused = _step(model, ids, pos)
         finally:
             model.config.apply_rope_fusion = False
+    loss_u, grads_u = unfused
     assert torch.equal(loss_u2, loss_u) and all(torch.equal(grads_u2[n], grads_u[n]) for n in grads_u), (
         "the unfused model does not repeat its own bits on this device: no bitwise comparison is possible")
     assert len(calls) == 4  # q and k of each of the two attention blocks
-    assert torch.equal(loss_f, loss_u)
-    assert grads_f.keys() == grads_u.keys()
-    for name in grads_u:
-        assert torch.equal(grads_f[name], grads_u[name]), name
+    _assert_same_step(fused, unfused)
 
 
 def test_rope_model_fused_equals_unfused_bitwise(single_rank, monkeypatch):
@@ -142,7 +154,6 @@ def test_rope_model_fused_equals_unfused_bitwise(single_rank, monkeypatch):
 def test_rope_model_fused_kernel_equals_unfused_bitwise(single_rank, triton_device, monkeypatch):
     """The Triton kernels inside megatron's SelfAttention (the interpreter on CPU, natively on a GPU)."""
     _fused_equals_unfused(triton_device, monkeypatch)
-
 
 
 def _qkv_fused_equals_split(device: str, monkeypatch) -> None:
@@ -168,22 +179,18 @@ def _qkv_fused_equals_split(device: str, monkeypatch) -> None:
 
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", counted)
     monkeypatch.setattr(attention, "apply_fused_qkv_rotary_pos_emb", counted_qkv)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, mc.vocab_size, (2, 64), generator=g).to(device)
-    pos = torch.arange(64, device=device)[None].expand(2, 64)
+    ids, pos = _batch(mc, device)
     with sdpa_kernel(SDPBackend.MATH):
         model.config.apply_rope_fusion = True
         try:
-            loss_s, grads_s = _step(model, ids, pos)
+            split = _step(model, ids, pos)
             model.config.fused_single_qkv_rope = True
-            loss_f, grads_f = _step(model, ids, pos)
+            fused = _step(model, ids, pos)
         finally:
             model.config.apply_rope_fusion = False
             model.config.fused_single_qkv_rope = False
     assert len(calls) == 4 and len(qkv_calls) == 2  # split: q and k of 2 blocks; fused: one call per block
-    assert torch.equal(loss_f, loss_s)
-    for name in grads_s:
-        assert torch.equal(grads_f[name], grads_s[name]), name
+    _assert_same_step(fused, split)
 
 
 def test_qkv_rope_model_equals_the_split_path_bitwise(single_rank, monkeypatch):
