@@ -269,12 +269,11 @@ def cublas_scales(a: FP8Tensor, b: FP8Tensor) -> tuple[torch.Tensor, int, torch.
     ``scaled_mm_blockwise``."""
     from nvfp4_train.kernels.cublaslt import SCALE_BLK128x128_32F, SCALE_SCALAR_32F, SCALE_VEC128_32F
 
-    if a.block is None and b.block is None:
-        return (a.scale_inv.to(torch.float32).reshape(1), SCALE_SCALAR_32F,
-                b.scale_inv.to(torch.float32).reshape(1), SCALE_SCALAR_32F)
     out = []
-    for q, form in zip((a, b), native_blockwise_pair(a, b)):
-        if form == "128x128":
+    for q, form in zip((a, b), _accumulate_pair(a, b)):
+        if form == "tensor":
+            out += [q.scale_inv.to(torch.float32).reshape(1), SCALE_SCALAR_32F]
+        elif form == "128x128":
             out += [scale_128x128_operand(q), SCALE_BLK128x128_32F]
         else:
             out += [scale_1x128_operand(q), SCALE_VEC128_32F]
@@ -282,6 +281,7 @@ def cublas_scales(a: FP8Tensor, b: FP8Tensor) -> tuple[torch.Tensor, int, torch.
 
 
 def _accumulate_pair(a: FP8Tensor, b: FP8Tensor) -> tuple:
+    """The scaling of each operand in the accumulating GEMM: both per tensor, or the native blockwise pair."""
     if a.block is None and b.block is None:
         return ("tensor", "tensor")
     return native_blockwise_pair(a, b)
