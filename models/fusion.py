@@ -51,18 +51,15 @@ __all__ = ["FusionConfig"]
 
 @dataclass(kw_only=True)
 class FusionConfig:
-    """Fused kernels of the training step (the ``fusion`` section). Each is on by default but ``qkv_rope``,
-    ``activation`` and ``rms_norm``, whose kernels have passed their tests on CPU and under Triton's interpreter but
-    not yet on a GPU (``docs/benchmarks.md``, "Not measured yet"); ``false`` runs the unfused reference arithmetic
-    (for numerics comparisons and benchmarks)."""
+    """Fused kernels of the training step (the ``fusion`` section), each on by default; ``false`` runs the unfused
+    reference arithmetic (for numerics comparisons and benchmarks)."""
 
     rope: bool = True
     """Rotary embedding in one kernel per direction (bitwise the unfused arithmetic)."""
-    qkv_rope: bool = False
+    qkv_rope: bool = True
     """megatron's fused qkv rotary path: q and k rotated where the qkv projection wrote them (no copy of the query
     to [s, b, heads, d] before the rotary embedding), their gradients and v's written into one tensor (no
-    concatenation after it); bitwise the split path. Models with the rotary embedding only. Off until its GPU tests
-    pass."""
+    concatenation after it); bitwise the split path. Models with the rotary embedding only."""
     cross_entropy: bool = True
     """Vocab-parallel cross-entropy over the bf16 logits in fp32, the logits read once per direction."""
     wgrad_accumulation: bool = True
@@ -70,14 +67,14 @@ class FusionConfig:
     word embedding adds its gradient into the ``main_grad`` rows its tokens name (``mcore_compat/embedding.py``)."""
     mamba: bool = True
     """Mamba-2's conv + scan + gated norm as one op of mamba-ssm's and causal-conv1d's kernels (CUDA)."""
-    activation: bool = False
+    activation: bool = True
     """The MLP's squared ReLU (no bias, no gate) as one kernel per direction that runs the non-finite checks of fc1's
     output (forward) and fc2's input gradient (backward) in the same launch, instead of the check's own reads of
     those tensors, and, where fc2 / fc1 quantize with a tensor amax (NVFP4, FP8 per tensor), the amax of what it
     writes for their quantizers, instead of their amax pass (bitwise the unfused values and operands, the same
-    non-finite answers). Off until its GPU tests pass."""
-    rms_norm: bool = False
+    non-finite answers)."""
+    rms_norm: bool = True
     """RMSNorm's backward as one Triton kernel (dx and per-program fp32 weight-gradient partials, then their sum)
     instead of torch's two (CUDA; the forward is torch's, bit for bit; the gradients within the bound of
     ``docs/numerics.md``); a block's norm runs the non-finite check of the input gradient of the linear layer it
-    feeds in that kernel. Off until its GPU tests pass."""
+    feeds in that kernel."""

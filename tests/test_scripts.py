@@ -55,7 +55,7 @@ def test_bench_train_quick(script_runs):
     assert all(r["nonfinite_check"] == "every_step" and r["nonfinite_checked_layers"] > 0 for r in rows)
     cfg = (tmp_path / "work" / "tiny_nvfp4" / "config.yaml").read_text()  # the trainer's own run directory
     assert "seed: 7" in cfg and "nvfp4" in cfg and "cuda_graph: 'off'" in cfg
-    assert ("fusion:\n  rope: true\n  qkv_rope: false\n  cross_entropy: true\n  wgrad_accumulation: true\n"
+    assert ("fusion:\n  rope: true\n  qkv_rope: true\n  cross_entropy: true\n  wgrad_accumulation: true\n"
             "  mamba: true") in cfg
 
 

@@ -104,7 +104,7 @@ def _norms(model) -> dict:
 def test_build_model_sets_the_norms_from_fusion_rms_norm(single_rank):
     from nvfp4_train.models.fusion import FusionConfig
 
-    for fusion, want in ((FusionConfig(rms_norm=True), True), (FusionConfig(), False), (None, False)):
+    for fusion, want in ((FusionConfig(), True), (FusionConfig(rms_norm=False), False), (None, False)):
         _, model = _tiny("M*-", fusion)
         norms = _norms(model)
         assert len(norms) == 4 and any(name.endswith("final_norm") for name in norms)  # 3 blocks + the final norm

@@ -216,7 +216,9 @@ def test_qkv_switch_installs_validates_and_refuses_what_it_does_not_do():
     cfg = transformer_config(rope, use_cpu_initialization=True, fusion=FusionConfig(qkv_rope=True))
     assert cfg.fused_single_qkv_rope and attention.HAVE_FUSED_QKV_ROPE
     assert attention.apply_fused_qkv_rotary_pos_emb is fused_qkv_rotary_pos_emb
-    assert not transformer_config(rope, use_cpu_initialization=True, fusion=FusionConfig()).fused_single_qkv_rope
+    assert transformer_config(rope, use_cpu_initialization=True, fusion=FusionConfig()).fused_single_qkv_rope
+    assert not transformer_config(rope, use_cpu_initialization=True,
+                                  fusion=FusionConfig(qkv_rope=False)).fused_single_qkv_rope
     plain = model_config("tiny").replace(pattern="*-*-", num_layers=4)  # no rotary embedding
     assert plain.position_embedding != "rope"
     assert not transformer_config(plain, use_cpu_initialization=True,
