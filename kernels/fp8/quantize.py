@@ -1,22 +1,24 @@
 """FP8 (E4M3) quantization in Triton, bitwise equal to ``kernels/fp8/reference.py``.
 
-Blockwise (the paper's baseline), ONE launch, each program owning a [BM, BK] tile of x [M, K]:
+Blockwise (the paper's baseline), ONE launch:
   * 1x128: the rowwise copy (blocks along K)           data [M, K]  scale_inv [M, K/128]  (stored M-major)
     and, when asked, the columnwise copy of x^T        data [K, M]  scale_inv [K, M/128]  (stored K-major)
-    (blocks along M): Fprop/Dgrad read the first, Wgrad the second. BK is a multiple of 128, and so is BM
-    when the columnwise copy is written.
-  * 128x128 (weights): BM = BK = 128, one tile per program; the columnwise copy is the same bytes
-    transposed with the transposed tile scales, i.e. W in Fprop and W^T in Dgrad are the same values.
+    (blocks along M): Fprop/Dgrad read the first, Wgrad the second. The rowwise copy alone: the tile kernel
+    (``_fp8_blockwise_kernel``, a [BM, BK] tile per program, BK a multiple of 128); both copies: the grouped
+    kernel (``_fp8_rowcol_grouped_kernel``, the comment above it), a [128, 128] tile per program.
+  * 128x128 (weights): the tile kernel, BM = BK = 128, one tile per program; the columnwise copy is the same
+    bytes transposed with the transposed tile scales, i.e. W in Fprop and W^T in Dgrad are the same values.
 Per tensor, two launches: an amax pass (persistent programs, one atomic max each, NaN/Inf counted as +Inf,
 which the cast pass turns into the NaN amax of the non-finite policy), then a cast pass that writes the
 rowwise copy and optionally the transposed copy (which needs no new scale).
 Every copy is computed from the tile as loaded (the columnwise 1x128 blocks reduce over 128 rows of it) and
 the transposed bytes are stored through transposed addresses: no fp32 tile is ever transposed in registers.
-Both 1x128 copies also have a grouped kernel (``_fp8_rowcol_grouped_kernel``, ``grouped=True``; the comment above
-it): each thread holds 4 consecutive rows, so x^T's bytes leave as 32-bit words, and the tile is read in chunks
-twice (sm_90: 15.2 instead of 30.6 instructions per element with Triton 3.7.1, 16.2 instead of 28.6 with 3.6.0;
-72 registers instead of 255 and spills: ``scripts/sass_count.py --fp8-rowcol-grouped``). It is not the default
-until it has been timed on a GPU.
+In the grouped kernel each thread holds 4 consecutive rows, so x^T's bytes leave as 32-bit words, and the tile is
+read in chunks twice. It replaced the tile kernel's two-copy launch, which stored x^T one byte at a time through
+shared memory. sm_90 (``scripts/sass_count.py --fp8-rowcol``): 18.4 instructions per element at 64-row chunks on
+8 warps, 79 registers, no spills, against that launch's 30.6, 255 registers and 46 spills; on an H100 (2026-12-05)
+0.73-0.83x its time on the 12B and ``1.2b`` shapes, 69-76% of a device copy's bandwidth on the large ones
+(``docs/benchmarks.md``, "FP8 casts").
 
 Arithmetic per block, as in the reference: ``s = min(448 / amax, FLT_MAX)`` (1 for an all-zero block),
 ``scale_inv = 1 / s``, both correctly rounded divisions (``div_rn``), ``q = e4m3_rne(x * s)``: on GPUs of compute
@@ -85,6 +87,7 @@ def _fp8_blockwise_kernel(
             tl.store(col_data_ptr + rk[None, :] * M + rm[:, None], q, mask=mask)
             tl.store(col_sinv_ptr + (k0 // 128) * (M // 128) + (m0 // 128) + tl.zeros([1, 1], tl.int32), sinv)
     else:
+        # 1x128, the rowwise copy only (both copies: _fp8_rowcol_grouped_kernel)
         if WRITE_ROW:
             v = tl.reshape(x, [BM, BK // 128, 128])
             amax = tl.max(_abs_inf(v), axis=2)  # [BM, BK/128]
@@ -95,18 +98,6 @@ def _fp8_blockwise_kernel(
             smask = (rm[:, None] < M) & (rkb[None, :] < K // 128)
             # scale_inv [M, K/128] stored M-major: element (m, kb) at m + kb * M
             tl.store(row_sinv_ptr + rm[:, None] + rkb[None, :] * M, sinv, mask=smask)
-        if WRITE_COL:
-            # x^T's blocks are 128 rows of x: reduce over them in place (no transpose of the fp32 tile), then
-            # store the bytes through transposed addresses
-            v = tl.reshape(x, [BM // 128, 128, BK])
-            amax_t = tl.max(_abs_inf(v), axis=1)  # [BM/128, BK]: block (mb, k) of x^T's row k
-            s_t, sinv_t = _fp8_scales(amax_t)
-            qt = tl.reshape(e4m3_byte(v * s_t[:, None, :], NATIVE), [BM, BK])
-            tl.store(col_data_ptr + rk[None, :] * M + rm[:, None], qt, mask=mask)
-            rmb = m0 // 128 + tl.arange(0, BM // 128)
-            smask = (rmb[:, None] < M // 128) & (rk[None, :] < K)
-            # scale_inv [K, M/128] stored K-major: element (k, mb) at k + mb * K
-            tl.store(col_sinv_ptr + rk[None, :] + rmb[:, None] * K, sinv_t, mask=smask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -123,6 +114,7 @@ def _fp8_blockwise_kernel(
 #   then:   the 128 column amaxes (one reduction over G) and their scales;
 #   pass 2, per chunk: the chunk read again (from L2: the program read it a moment before) and x^T's words.
 # Both passes are loops (not unrolled), so that at most one chunk is live: 72 registers at CM = 32 on 4 warps.
+# The launch takes CM = 64 on 8 warps, the fastest of the sweep on an H100 (docs/benchmarks.md, "FP8 casts").
 # For bf16 input the block amax is a bf16 value (a max of bf16 magnitudes), so (s, scale_inv) is looked up by
 # its 15 magnitude bits in a 256 KiB table of the reference's own scales (``fp8_scale_table``) instead of two
 # correctly rounded divisions in each of the 16 threads that hold a part of a row; fp32 input divides.
@@ -349,31 +341,31 @@ def quantize_fp8_blockwise_triton(
     block_m: int | None = None,
     block_k: int = 128,
     num_warps: int | None = None,
-    grouped: bool = False,
-    chunk_m: int = 32,
+    chunk_m: int = 64,
 ):
     """Launch the blockwise kernel. Inputs are validated by the caller (``nvfp4_train.kernels.fp8``).
 
-    Default launch (the fastest of ``scripts/bench_fp8_casts.py``'s sweep on the H200, ``docs/benchmarks.md``):
-    128x128 tiles with 8 warps; 1x128 blocks with 4 warps, 128 x 128 tiles when the columnwise copy is written,
-    else 32 x 128. ``grouped`` (1x128, both copies): ``_fp8_rowcol_grouped_kernel`` instead, ``chunk_m`` rows
-    per step (default 4 warps; ``block_m`` / ``block_k`` do not apply).
+    Default launches (the fastest of ``scripts/bench_fp8_casts.py``'s sweep, ``docs/benchmarks.md``): 128x128
+    tiles with 8 warps; 1x128, the rowwise copy alone, 32 x 128 tiles with 4 warps (``block_m``, ``block_k``);
+    1x128, both copies (M and K multiples of 128): ``_fp8_rowcol_grouped_kernel``, ``chunk_m`` rows per step
+    on 8 warps (``block_m`` / ``block_k`` do not apply).
 
     Returns (row_data_u8, row_scale_inv, col_data_u8, col_scale_inv); absent copies are None.
     """
     M, K = x.shape
     dev = x.device
     tile_2d = block == (128, 128)
+    grouped = write_col and not tile_2d
     if grouped:
-        assert not tile_2d and write_row and write_col and M % 128 == 0 and K % 128 == 0 and chunk_m % 4 == 0
+        assert write_row and M % 128 == 0 and K % 128 == 0 and chunk_m % 4 == 0 and 128 % chunk_m == 0
     if num_warps is None:
-        num_warps = 8 if tile_2d else 4
+        num_warps = 8 if tile_2d or grouped else 4
     if tile_2d:
         bm, bk = 128, 128
     else:
-        bm = block_m if block_m is not None else (128 if write_col else 32)
+        bm = block_m if block_m is not None else 32
         bk = block_k
-        assert bk % 128 == 0 and (not write_col or bm % 128 == 0)
+        assert bk % 128 == 0
     f32 = dict(dtype=torch.float32, device=dev)
     row_data = torch.empty((M, K), dtype=torch.uint8, device=dev) if write_row else None
     col_data = torch.empty((K, M), dtype=torch.uint8, device=dev) if write_col else None
@@ -396,7 +388,7 @@ def quantize_fp8_blockwise_triton(
         return row_data, row_sinv, col_data, col_sinv
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     dummy_f = torch.empty(1, **f32)
-    _fp8_blockwise_kernel[_grid(M, K, bm, bk)](
+    _fp8_blockwise_kernel[_grid(M, K, bm, bk)](  # 1x128 here: the rowwise copy only
         as_kernel_input(x),
         row_data if write_row else dummy, row_sinv if write_row else dummy_f,
         col_data if write_col else dummy, col_sinv if write_col else dummy_f,

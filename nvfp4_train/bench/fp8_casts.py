@@ -3,8 +3,8 @@
 For each tensor a 12B linear layer casts (M = 8192 tokens: x and dy with 1x128 blocks, both copies in one pass
 as ``quantize_fp8_rowcol`` writes them; x rowwise only; W with 128x128 tiles; the per-tensor cast with its amax
 pass), and the two-copy casts of ``1.2b``'s widest layer, it runs ``kernels/fp8/quantize.py``'s launch under each
-configuration of the sweep (tile rows and columns, warps; for both 1x128 copies also ``_fp8_rowcol_grouped_kernel``,
-"grouped", whose first number is the rows it reads per step). The outputs compared with the reference (``kernels/fp8/reference.py`` on the same device) are the data
+configuration of the sweep (tile rows and columns, warps; for both 1x128 copies, ``_fp8_rowcol_grouped_kernel``'s
+rows per step, 128, warps). The outputs compared with the reference (``kernels/fp8/reference.py`` on the same device) are the data
 bytes and scales of every copy; the bytes a cast must move are the bf16 input read once and every copy written once.
 The check, the timing, the table and the exit status are ``nvfp4_train.bench.sweep``'s.
 
@@ -39,11 +39,9 @@ CASES = (
 )
 QUICK_CASES = (("x", 256, 384, "rowcol"), ("x rowwise", 128, 384, "row"), ("W", 256, 384, "tile"),
                ("x per tensor", 128, 256, "tensor"))
-# (block_m, block_k, num_warps[, kernel]) tried besides the library's default launch; "grouped": chunk rows x 128
-GROUPED = ((32, 128, 4, "grouped"), (16, 128, 4, "grouped"), (64, 128, 4, "grouped"), (32, 128, 8, "grouped"),
-           (64, 128, 8, "grouped"), (128, 128, 8, "grouped"))
+# (block_m, block_k, num_warps) tried besides the library's default launch; "rowcol": (chunk rows, 128, num_warps)
 SWEEPS = {
-    "rowcol": (*GROUPED, (128, 128, 8), (128, 128, 16), (128, 256, 8), (128, 256, 16), (256, 128, 8), (256, 128, 16)),
+    "rowcol": ((32, 128, 4), (16, 128, 4), (64, 128, 4), (32, 128, 8), (128, 128, 8)),
     "row": ((32, 128, 8), (64, 128, 8), (16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 128, 8)),
     "tile": ((128, 128, 4), (128, 128, 16)),
     "tensor": ((64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4)),
@@ -53,9 +51,9 @@ SWEEPS = {
 def _launch(x: torch.Tensor, mode: str, cfg: Config):
     from nvfp4_train.kernels.fp8.quantize import quantize_fp8_blockwise_triton, quantize_fp8_tensorwise_triton
 
-    if cfg is not None and len(cfg) > 3 and cfg[3] == "grouped":
-        return quantize_fp8_blockwise_triton(x, (1, 128), write_row=True, write_col=True, grouped=True,
-                                             chunk_m=cfg[0], num_warps=cfg[2])
+    if cfg is not None and mode == "rowcol":
+        return quantize_fp8_blockwise_triton(x, (1, 128), write_row=True, write_col=True, chunk_m=cfg[0],
+                                             num_warps=cfg[2])
     kw = {} if cfg is None else dict(zip(("block_m", "block_k", "num_warps"), cfg))
     if mode == "tensor":
         return quantize_fp8_tensorwise_triton(x, write_col=True, **kw)

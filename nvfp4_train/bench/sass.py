@@ -18,8 +18,8 @@ Usage (repo root)::
     python3 scripts/sass_count.py                        # the quantize kernel, RNE, its default 64x128 tile
     python3 scripts/sass_count.py --sr --sass q.sass     # stochastic rounding; the disassembly written to q.sass
     python3 scripts/sass_count.py --values               # both copies written as bf16 values (direct_dequant)
-    python3 scripts/sass_count.py --fp8-blockwise both --block-m 128   # the FP8 1x128 cast, both copies
-    python3 scripts/sass_count.py --fp8-rowcol-grouped --chunk-m 32     # the same copies, the grouped kernel
+    python3 scripts/sass_count.py --fp8-blockwise --block-m 32         # the FP8 1x128 cast, the rowwise copy
+    python3 scripts/sass_count.py --fp8-rowcol --chunk-m 64 --num-warps 8   # FP8 1x128, both copies (grouped)
 """
 
 from __future__ import annotations
@@ -179,25 +179,24 @@ def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128
                               block_m * block_k, options=dict(enable_fp_fusion=False))
 
 
-def fp8_blockwise_kernel_sass(write_row: bool = True, write_col: bool = True, block_m: int = 128, block_k: int = 128,
-                              num_warps: int = 4, arch: int = 90) -> SassCount:
-    """The FP8 1x128 cast kernel (``kernels/fp8/quantize.py``) as the linear layers launch it on a contiguous bf16
-    tensor: the rowwise copy, the columnwise copy (x^T requantized in blocks along M) or both, with the GPU's E4M3
-    conversion; its production launch for both copies is 128 x 128 on 4 warps."""
+def fp8_blockwise_kernel_sass(block_m: int = 32, block_k: int = 128, num_warps: int = 4, arch: int = 90) -> SassCount:
+    """The FP8 1x128 tile kernel (``kernels/fp8/quantize.py``) writing the rowwise copy alone, as launched on a
+    contiguous bf16 tensor, with the GPU's E4M3 conversion (production launch: 32 x 128 on 4 warps)."""
     from nvfp4_train.kernels.fp8.quantize import _fp8_blockwise_kernel
 
     pointers = dict(x_ptr="*i16", row_data_ptr="*u8", row_sinv_ptr="*fp32", col_data_ptr="*u8", col_sinv_ptr="*fp32")
     ints = dict(M="i32", K="i32", stride_m="i32")
-    constexprs = dict(WRITE_ROW=write_row, WRITE_COL=write_col, TILE_2D=False, BF16_BITS=True, NATIVE=True,
+    constexprs = dict(WRITE_ROW=True, WRITE_COL=False, TILE_2D=False, BF16_BITS=True, NATIVE=True,
                       BM=block_m, BK=block_k, stride_k=1)
     return _tile_kernel_count(_fp8_blockwise_kernel, pointers, ints, constexprs, num_warps, arch, block_m * block_k)
 
 
-def fp8_rowcol_grouped_kernel_sass(chunk_m: int = 32, num_warps: int = 4, arch: int = 90,
+def fp8_rowcol_grouped_kernel_sass(chunk_m: int = 64, num_warps: int = 8, arch: int = 90,
                                    table: bool = True) -> SassCount:
     """``_fp8_rowcol_grouped_kernel`` (both 1x128 copies, ``kernels/fp8/quantize.py``) as launched on a contiguous
     bf16 tensor: a [128, 128] tile per program, ``chunk_m`` rows per iteration of its two loops (each runs
-    128 / ``chunk_m`` times and counts so), the scales from the table (``table``) or by division."""
+    128 / ``chunk_m`` times and counts so), the scales from the table (``table``) or by division (production
+    launch: 64 rows on 8 warps, the table)."""
     from nvfp4_train.kernels.fp8.quantize import _fp8_rowcol_grouped_kernel
 
     pointers = dict(x_ptr="*i16", row_ptr="*i32", row_sinv_ptr="*fp32", col_ptr="*i32", col_sinv_ptr="*fp32",
@@ -223,26 +222,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sr", action="store_true", help="stochastic rounding on both copies (a gradient's)")
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-k", type=int, default=128)
-    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--num-warps", type=int, help="default: the kernel's production launch (8 for --fp8-rowcol, "
+                                                   "else 4)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90 = sm_90)")
     ap.add_argument("--top", type=int, default=30, help="opcodes listed, most frequent first")
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
     ap.add_argument("--values", action="store_true", help="both copies written as bf16 values (direct_dequant)")
-    ap.add_argument("--fp8-blockwise", choices=["row", "col", "both"],
-                    help="the FP8 1x128 cast kernel writing these copies instead (use --block-m 128)")
-    ap.add_argument("--fp8-rowcol-grouped", action="store_true",
+    ap.add_argument("--fp8-blockwise", action="store_true",
+                    help="the FP8 1x128 tile kernel writing the rowwise copy instead (--block-m x --block-k)")
+    ap.add_argument("--fp8-rowcol", action="store_true",
                     help="the FP8 grouped kernel writing both 1x128 copies instead (--chunk-m rows per step)")
-    ap.add_argument("--chunk-m", type=int, default=32)
-    ap.add_argument("--divide", action="store_true", help="with --fp8-rowcol-grouped: scales by division (fp32 input)")
+    ap.add_argument("--chunk-m", type=int, default=64)
+    ap.add_argument("--divide", action="store_true", help="with --fp8-rowcol: scales by division (fp32 input)")
     a = ap.parse_args(argv)
-    if a.fp8_rowcol_grouped:
+    if a.num_warps is None:
+        a.num_warps = 8 if a.fp8_rowcol else 4
+    if a.fp8_rowcol:
         c = fp8_rowcol_grouped_kernel_sass(a.chunk_m, a.num_warps, a.arch, not a.divide)
         print(f"# FP8 grouped kernel, both 1x128 copies, 128x128 tile in chunks of {a.chunk_m} rows, {a.num_warps} "
               f"warps, sm_{a.arch}, scales {'by division' if a.divide else 'from the table'}\n")
     elif a.fp8_blockwise:
-        c = fp8_blockwise_kernel_sass(a.fp8_blockwise in ("row", "both"), a.fp8_blockwise in ("col", "both"),
-                                      a.block_m, a.block_k, a.num_warps, a.arch)
-        print(f"# FP8 1x128 cast kernel, copies: {a.fp8_blockwise}, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
+        c = fp8_blockwise_kernel_sass(a.block_m, a.block_k, a.num_warps, a.arch)
+        print(f"# FP8 1x128 cast kernel, the rowwise copy, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
               f"sm_{a.arch}\n")
     else:
         c = quantize_kernel_sass(a.sr, a.block_m, a.block_k, a.num_warps, a.arch, a.values)

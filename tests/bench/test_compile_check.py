@@ -26,15 +26,15 @@ def test_recorder_writes_each_distinct_launch_once(tmp_path, monkeypatch, triton
     compile_check.install_recorder(out)
     x = torch.randn(128, 256).bfloat16()
     for _ in range(2):  # the same launch twice: one line
-        quantize_fp8_blockwise_triton(x, (1, 128), write_row=True, write_col=True, grouped=True)
-    quantize_fp8_blockwise_triton(x.float(), (1, 128), write_row=True, write_col=True, grouped=True)
+        quantize_fp8_blockwise_triton(x, (1, 128), write_row=True, write_col=True)
+    quantize_fp8_blockwise_triton(x.float(), (1, 128), write_row=True, write_col=True)
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["name"] for r in recs] == ["_fp8_rowcol_grouped_kernel"] * 2
     bf16, f32 = recs
     assert bf16["types"]["x_ptr"] == "*i16" and f32["types"]["x_ptr"] == "*fp32"  # bf16 goes in as its bits
     assert bf16["types"]["M"] == "i32" and "M" in bf16["div"] and "K" in bf16["div"]
     assert bf16["consts"]["TABLE"] is True and f32["consts"]["TABLE"] is False and bf16["consts"]["NATIVE"] is False
-    assert bf16["opts"]["num_warps"] == 4 and bf16["opts"]["enable_fp_fusion"] is False
+    assert bf16["opts"]["num_warps"] == 8 and bf16["opts"]["enable_fp_fusion"] is False
 
 
 RECORD = dict(module="nvfp4_train.kernels.fp8.quantize", name="_fp8_rowcol_grouped_kernel",

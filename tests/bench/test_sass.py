@@ -68,34 +68,33 @@ def test_quantize_kernel_counts_for_sm90():
 
 @pytest.mark.skipif(not sass.have_nvidia_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
 def test_fp8_blockwise_kernel_counts_for_sm90():
-    """The FP8 1x128 cast kernel as the layers launch it: x read with 16-byte loads (8 bf16 each, 128 per thread of a
-    128 x 128 tile on 4 warps), the E4M3 bytes through the GPU's conversion, and the two-copy launch issuing at
-    least the instructions of each copy alone (it reads x once but rounds every element for both copies)."""
-    both = sass.fp8_blockwise_kernel_sass(True, True)
-    row = sass.fp8_blockwise_kernel_sass(True, False)
-    col = sass.fp8_blockwise_kernel_sass(False, True)
-    assert both.threads == 128 and both.elements == 128 * 128
-    for c in (both, row, col):
-        assert c.by_op["LDG"] == 16  # 128 bf16 elements per thread in 16-byte loads
+    """The FP8 1x128 tile kernel's rowwise copy: x read with 16-byte loads (8 bf16 each: 32 per thread of its
+    production 32 x 128 tile on 4 warps, 128 of a 128 x 128 tile), the E4M3 bytes through the GPU's conversion,
+    and the bigger tile issuing more instructions per program."""
+    row = sass.fp8_blockwise_kernel_sass()
+    big = sass.fp8_blockwise_kernel_sass(block_m=128)
+    assert row.threads == big.threads == 128 and row.elements == 32 * 128 and big.elements == 128 * 128
+    assert row.by_op["LDG"] == 4 and big.by_op["LDG"] == 16  # elements per thread / 8
+    for c in (row, big):
         assert c.by_op["F2FP"] > 0  # cvt.rn.satfinite.e4m3x2.f32
-    assert both.total > max(row.total, col.total)
+    assert big.total > row.total
 
 
 @pytest.mark.skipif(not sass.have_nvidia_tools(), reason="this Triton installation ships no ptxas / nvdisasm")
 def test_fp8_rowcol_grouped_kernel_counts_for_sm90():
-    """The grouped kernel of both 1x128 copies against the tile kernel it would replace, as both are launched: no
-    spills, fewer registers and instructions; x read twice in 16-byte loads (32 a thread over the two loops, the
-    rest are the scale lookups); and exactly one paired E4M3 conversion per two elements and copy, its halves
-    merged into the stored words (no byte is moved on its own)."""
-    g = sass.fp8_rowcol_grouped_kernel_sass(chunk_m=32)
-    tile = sass.fp8_blockwise_kernel_sass(True, True)
-    per_thread = g.elements // g.threads  # 128
-    assert g.threads == tile.threads == 128 and g.elements == tile.elements == 128 * 128
-    assert g.by_op.get("STL", 0) == g.by_op.get("LDL", 0) == 0
-    assert g.registers < tile.registers and g.total < tile.total
-    assert 2 * per_thread // 8 <= g.by_op["LDG"] < 2 * per_thread // 4
-    assert g.by_op["F2FP"] == per_thread
-    assert g.by_op.get("STSM", 0) == 0  # no stmatrix: see the next test
+    """The grouped kernel of both 1x128 copies, as launched (64-row chunks on 8 warps) and with 32-row chunks on 4:
+    no spills; x read twice in 16-byte loads (the rest of the loads are the scale lookups); and exactly one paired
+    E4M3 conversion per two elements and copy, its halves merged into the stored words (no byte is moved on its
+    own)."""
+    g = sass.fp8_rowcol_grouped_kernel_sass()
+    small = sass.fp8_rowcol_grouped_kernel_sass(chunk_m=32, num_warps=4)
+    assert g.threads == 256 and small.threads == 128 and g.elements == small.elements == 128 * 128
+    for c in (g, small):
+        per_thread = c.elements // c.threads  # 64 or 128
+        assert c.by_op.get("STL", 0) == c.by_op.get("LDL", 0) == 0
+        assert 2 * per_thread // 8 <= c.by_op["LDG"] < 2 * per_thread // 4
+        assert c.by_op["F2FP"] == per_thread
+        assert c.by_op.get("STSM", 0) == 0  # no stmatrix: see the next test
     assert "registers per thread" in sass.report(g, 3)
 
 

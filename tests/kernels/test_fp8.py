@@ -611,16 +611,15 @@ def test_kernel_scale_layout_is_m_major(triton_device, gen):
 # ----------------------------------------------------------------------------------------------------------
 # the grouped kernel of both 1x128 copies (kernels/fp8/quantize.py: _fp8_rowcol_grouped_kernel) and its scale table
 # ----------------------------------------------------------------------------------------------------------
-def grouped_rowcol(x: torch.Tensor, chunk_m: int = 32) -> tuple[FP8Tensor, FP8Tensor]:
+def grouped_rowcol(x: torch.Tensor, chunk_m: int = 64) -> tuple[FP8Tensor, FP8Tensor]:
     from nvfp4_train.kernels.fp8.quantize import quantize_fp8_blockwise_triton
 
-    rd, rs, cd, cs = quantize_fp8_blockwise_triton(x, (1, 128), write_row=True, write_col=True, grouped=True,
-                                                   chunk_m=chunk_m)
+    rd, rs, cd, cs = quantize_fp8_blockwise_triton(x, (1, 128), write_row=True, write_col=True, chunk_m=chunk_m)
     e4m3 = torch.float8_e4m3fn
     return FP8Tensor(rd.view(e4m3), rs, (1, 128)), FP8Tensor(cd.view(e4m3), cs, (1, 128))
 
 
-def check_grouped(x: torch.Tensor, device: str, chunk_m: int = 32) -> None:
+def check_grouped(x: torch.Tensor, device: str, chunk_m: int = 64) -> None:
     row, col = grouped_rowcol(x.to(device), chunk_m)
     rref, cref = quantize_fp8_rowcol_ref(x, (1, 128))
     assert_same(row, rref)
@@ -661,15 +660,16 @@ def test_grouped_kernel_edge_cases(triton_device, gen, case, dtype):
 
 @pytest.mark.triton
 def test_grouped_kernel_random_chunks_and_strides(triton_device, gen, monkeypatch):
-    """Rows and 128-column groups of independent magnitudes, in chunks of 32 (the default) and 128 rows (one step),
-    an outlier per dtype, a transposed (non-contiguous) input, and bf16 input with the table absent (division)."""
+    """Rows and 128-column groups of independent magnitudes, in chunks of 64 (the default), 128 (one step) and 32
+    rows, an outlier per dtype, a transposed (non-contiguous) input, and bf16 input with the table absent
+    (division)."""
     from nvfp4_train.kernels.fp8 import quantize as Q
 
     x = random_tensor(gen, (256, 384), torch.bfloat16, spread=6.0)
     check_grouped(x, triton_device)
     check_grouped(x, triton_device, chunk_m=128)
     check_grouped(outlier_tensor(gen, torch.bfloat16), triton_device)
-    check_grouped(outlier_tensor(gen, torch.float32), triton_device, chunk_m=64)
+    check_grouped(outlier_tensor(gen, torch.float32), triton_device, chunk_m=32)
     base = random_tensor(gen, (384, 256), torch.bfloat16)
     check_grouped(base.t(), triton_device)  # strides (1, 256)
     monkeypatch.setattr(Q, "fp8_scale_table", lambda device: None)
