@@ -49,6 +49,9 @@ def test_union_length(intervals, length):
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "gemm"),
     ("_quantize_nvfp4_kernel", "nvfp4/fp8 cast"),
     ("_amax_kernel", "nvfp4/fp8 cast"),
+    ("_amax_grouped_kernel", "nvfp4/fp8 cast"),
+    ("_squared_relu_amax_kernel", "norm/elementwise/other"),  # the activation, which also computes an amax
+    ("_squared_relu_kernel", "norm/elementwise/other"),
     ("_chunk_scan_fwd_kernel", "mamba"),
     ("_bmm_chunk_fwd_kernel", "mamba"),
     ("_layer_norm_fwd_1pass_kernel", "mamba"),

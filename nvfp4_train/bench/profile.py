@@ -25,7 +25,8 @@ import torch
 # Kernel-name regexes (case-insensitive) of the --profile breakdown; the first match wins, the last is the rest.
 KERNEL_CATEGORIES: dict[str, str] = {
     "gemm": r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|matmul|scaled_mm|wgmma",
-    "nvfp4/fp8 cast": r"_quantize|_amax|_dequant|_alpha|_fp8|_scale|_mxfp4|_nvfp4",  # our Triton kernels
+    # our Triton kernels; not the squared ReLU's (fusion.activation), which also hands its neighbours an amax
+    "nvfp4/fp8 cast": r"_quantize|(?<!_relu)_amax|_dequant|_alpha|_fp8|_scale|_mxfp4|_nvfp4",
     "mamba": r"chunk|state_passing|bmm_chunk|causal_conv1d|selective|ssd|_layer_norm_fwd|_layer_norm_bwd"
              r"|rmsnorm_gated|mamba",
     "attention": r"flash|fmha|sdpa|attention|cudnn",
