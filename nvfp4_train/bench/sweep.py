@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-# (block_m, block_k, num_warps), optionally a kernel's name after them; None: the library's default launch
-Config = tuple[int, int, int] | tuple[int, int, int, str] | None
+Config = tuple[int, int, int] | None  # (block_m, block_k, num_warps); None: the library's default launch
 
 
 @dataclass(frozen=True)
@@ -56,9 +55,7 @@ def copy_bandwidth(device: torch.device, quick: bool) -> float:
 
 
 def config_label(cfg: Config) -> str:
-    if cfg is None:
-        return "default"
-    return f"{cfg[0]}x{cfg[1]}, {cfg[2]}" + (f", {cfg[3]}" if len(cfg) > 3 else "")
+    return "default" if cfg is None else f"{cfg[0]}x{cfg[1]}, {cfg[2]}"
 
 
 def run_sweep(cases: Sequence[Case], launch: Callable[[object, Config], object],
