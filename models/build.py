@@ -66,14 +66,14 @@ def transformer_config(
     megatron's own switches (``apply_rope_fusion``, ``cross_entropy_loss_fusion``, ``gradient_accumulation_fusion``)
     with our kernels installed behind them; None: none (megatron's unfused paths, e.g. for a model trained without
     megatron's DDP, whose gradient buffers the fused weight gradient needs)."""
-    fusion = fusion if fusion is not None else FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=False,
-                                                             mamba=False, activation=False, rms_norm=False,
-                                                             qkv_rope=False)
+    fusion = fusion if fusion is not None else FusionConfig.all_off()
     if fusion.wgrad_accumulation:
         install_wgrad_accumulation()
-    if fusion.rope and model_cfg.position_embedding == "rope":
+    has_rope = model_cfg.position_embedding == "rope"
+    rope = fusion.rope and has_rope
+    if rope:
         install_fused_rope()  # before TransformerConfig: its validation refuses apply_rope_fusion without a kernel
-    qkv_rope = fusion.qkv_rope and model_cfg.position_embedding == "rope"  # megatron asserts the path is taken
+    qkv_rope = fusion.qkv_rope and has_rope  # megatron asserts the path is taken once the switch is on
     if qkv_rope:
         install_fused_qkv_rope()
     if sequence_parallel and tp == 1:
@@ -104,7 +104,7 @@ def transformer_config(
         attention_dropout=0.0,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=fusion.rope and model_cfg.position_embedding == "rope",
+        apply_rope_fusion=rope,
         fused_single_qkv_rope=qkv_rope,
         cross_entropy_loss_fusion=fusion.cross_entropy,  # HybridModel.compute_language_model_loss: our kernel
         gradient_accumulation_fusion=fusion.wgrad_accumulation,

@@ -44,7 +44,7 @@ field                       megatron-core's switch              what runs instea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 __all__ = ["FusionConfig"]
 
@@ -78,3 +78,8 @@ class FusionConfig:
     instead of torch's two (CUDA; the forward is torch's, bit for bit; the gradients within the bound of
     ``docs/numerics.md``); a block's norm runs the non-finite check of the input gradient of the linear layer it
     feeds in that kernel."""
+
+    @classmethod
+    def all_off(cls) -> FusionConfig:
+        """Every switch false: megatron's and torch's unfused paths throughout."""
+        return cls(**{f.name: False for f in fields(cls)})

@@ -4,6 +4,8 @@ bitwise the unfused path: ``F.embedding``'s dense gradient of the whole table, t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,12 +95,11 @@ def test_the_built_model_routes_its_embedding_and_matches_megatrons(gen):
 
     with megatron_single_rank():
         mc = model_config("tiny")
-        fusion = FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=True, mamba=False)
+        fusion = dataclasses.replace(FusionConfig.all_off(), wgrad_accumulation=True)
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
         # megatron's linear layers unfused (they return their gradients); only the embedding's path differs
-        cfg = transformer_config(mc, fusion=FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=False,
-                                                         mamba=False))
+        cfg = transformer_config(mc, fusion=FusionConfig.all_off())
         model = build_model(mc, LayerPrecisionMap(mc.pattern, "bf16"), config=cfg, seq_length=64, fusion=fusion)
         emb = model.embedding.word_embeddings
         assert "forward" in vars(emb)  # the row path is installed

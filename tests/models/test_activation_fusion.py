@@ -56,7 +56,7 @@ def _build(mc, activation: bool, device: str = "cpu", precision: str = "bf16"):
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     # every other fusion off: the two models differ in this switch only
-    fusion = FusionConfig(**{**{f.name: False for f in dataclasses.fields(FusionConfig)}, "activation": activation})
+    fusion = dataclasses.replace(FusionConfig.all_off(), activation=activation)
     pmap = LayerPrecisionMap(mc.pattern, precision, keep_first=0, keep_last=0)
     model = build_model(mc, pmap, config=transformer_config(mc), seq_length=SEQ, fusion=fusion)
     return model.to(device)

@@ -1,6 +1,7 @@
 """The blocks' RMSNorm: torch's rms_norm (fused on CUDA) against the fp32 composite it replaced; and with
 ``fusion.rms_norm`` (its backward as one Triton kernel) against torch's autograd, in the tiny model."""
 
+import dataclasses
 import os
 
 import pytest
@@ -195,8 +196,7 @@ def test_tiny_model_fused_rms_norm_backward(single_rank, triton_device, gen, mon
 
     monkeypatch.setattr(kernel, "rms_norm_backward_triton", counting)  # what layers' rms_norm_backward runs
 
-    fusion = FusionConfig(rope=False, cross_entropy=False, wgrad_accumulation=False, mamba=False, activation=False,
-                          rms_norm=True)
+    fusion = dataclasses.replace(FusionConfig.all_off(), rms_norm=True)
     mc, model = _tiny("-*-", fusion)
     model = model.to(triton_device)
     norms = _norms(model)
