@@ -105,21 +105,15 @@ def compile_launch(line: str, arch: int = 90) -> tuple[str, str | None]:
     """(kernel name, None if it compiled for sm_``arch`` with the GPU-path flags on, else Triton's message)."""
     import importlib
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from nvfp4_train.bench.sass import compile_for_gpu
 
     rec = json.loads(line)
     kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
-    names = list(inspect.signature(kernel.fn).parameters)
     consts = {n: (True if n in GPU_FLAGS else v) for n, v in rec["consts"].items()}
-    src = ASTSource(kernel, {n: rec["types"].get(n, "constexpr") for n in names},
-                    constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in rec["div"]})
     opts = {k: v for k, v in rec["opts"].items() if k in ("num_warps", "num_stages", "enable_fp_fusion",
                                                             "enable_reflect_ftz")}
     try:
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+        compile_for_gpu(kernel, rec["types"], consts, rec["div"], arch, opts)
     except Exception as e:  # Triton's CompilationError and ptxas failures alike: reported, not raised
         return rec["name"], f"{type(e).__name__}: {e}\nconstexprs: {json.dumps(consts)}"
     return rec["name"], None

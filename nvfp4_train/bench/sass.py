@@ -117,9 +117,11 @@ def compile_sass(kernel, signature: dict[str, str], constexprs: dict[str, object
     return compile_kernel(kernel, signature, constexprs, divisible, num_warps, arch, options)[0]
 
 
-def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, object], divisible: list[str],
-                   num_warps: int, arch: int = 90, options: dict | None = None) -> tuple[str, int]:
-    """``compile_sass``'s listing and the registers per thread ptxas gave the kernel."""
+def compile_for_gpu(kernel, signature: dict[str, str], constexprs: dict[str, object], divisible: list[str],
+                    arch: int, options: dict):
+    """Triton's compiled kernel for ``sm_<arch>`` on any machine: ``signature`` the types of the runtime arguments,
+    ``constexprs`` the values of the others, ``divisible`` the arguments given ``tt.divisibility = 16``, ``options``
+    Triton's (``num_warps``, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -134,8 +136,14 @@ def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, obje
     sig = {n: signature.get(n, "constexpr") for n in names}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
-                                                                                      **(options or {})))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, object], divisible: list[str],
+                   num_warps: int, arch: int = 90, options: dict | None = None) -> tuple[str, int]:
+    """``compile_sass``'s listing and the registers per thread ptxas gave the kernel."""
+    compiled = compile_for_gpu(kernel, signature, constexprs, divisible, arch,
+                               dict(num_warps=num_warps, **(options or {})))
     with tempfile.TemporaryDirectory(prefix="sass_") as tmp:  # nvdisasm reads a file, not a pipe
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
