@@ -40,16 +40,13 @@ class PrecisionConfig:
     values (bf16 / fp16), which the GEMM's dequantize launch would otherwise write from the packed codes. The same
     bits; about 1.1 bytes of memory traffic less per element of those operands. x columnwise (saved for
     backward) and the cached weight stay packed; off on telemetry steps and for the native engine (both read
-    packed codes). ``true`` is refused for now: on an H200 the kernel's values differed from the reference (rows of
-    the value copies zero; 9 of its GPU tests failed, 2026-12-05), while the interpreter matched bit for bit; the
-    kernels stay, tested, for the fix (``docs/benchmarks.md``, "Fused step")."""
+    packed codes). Off by default until its step is measured: the kernels passed their bitwise GPU tests on an
+    H100 (2026-12-05, f261a02), after the columnwise value copy's store was changed (``docs/benchmarks.md``,
+    "Correctness on the GPU")."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.direct_dequant, bool):
             raise ValueError(f"precision.direct_dequant={self.direct_dequant!r} must be a bool (true or false)")
-        if self.direct_dequant:
-            raise ValueError("precision.direct_dequant=true is refused: its quantize kernel wrote wrong values on an "
-                             "H200 (9 of its GPU tests failed, docs/benchmarks.md, \"Fused step\"); leave it false")
         if self.gemm_engine == DEFAULT_GEMM_ENGINE:
             return
         from nvfp4_train.kernels.gemm_engine import GEMM_ENGINES  # only for another engine: the table imports no kernels

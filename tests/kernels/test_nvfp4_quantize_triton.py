@@ -200,6 +200,9 @@ def check_values(x: torch.Tensor, device: str, kw: dict) -> None:
     from nvfp4_train.kernels.nvfp4.reference import _blockwise_values
 
     xd = x.to(device)
+    # a given amax (a tensor) goes to each side's device: the kernel's and the reference's (CPU)
+    kw, kw_ref = ({k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+                  for dev in (device, "cpu"))
     packed = quantize_nvfp4_rowcol(xd, **kw)
     # the dequantize launch's bits: each packed copy as the A operand of a pair launch
     deq = {dt: [dequantize_fp4_blockwise_pair_triton(p.codes, p.scales, p.codes[:0], p.scales[:0], block=16,
@@ -207,7 +210,7 @@ def check_values(x: torch.Tensor, device: str, kw: dict) -> None:
            for dt in (torch.bfloat16, torch.float16)}
     for dt, which in VALUE_LAUNCHES:
         got = quantize_nvfp4_rowcol(xd, row_values=which[0], col_values=which[1], values_dtype=dt, **kw)
-        ref = quantize_nvfp4_rowcol_ref(x, row_values=which[0], col_values=which[1], values_dtype=dt, **kw)
+        ref = quantize_nvfp4_rowcol_ref(x, row_values=which[0], col_values=which[1], values_dtype=dt, **kw_ref)
         for g, r, p, d, want in zip(got, ref, packed, deq[dt], which, strict=True):
             if not want:
                 assert_same(g, r)

@@ -56,18 +56,19 @@ def test_gemm_engine_is_validated_once_with_the_choices():
         compose_config("table", ["precision.gemm_engine=cuBLAS"])
 
 
-def test_direct_dequant_is_refused_and_reaches_every_quantized_recipe_of_a_map():
-    """precision.direct_dequant: off by default, and ``true`` is refused in one line (its quantize kernel failed its
-    bitwise GPU tests, docs/benchmarks.md); the layer map still takes it (the kernels' own tests): every quantized
-    recipe of the map has it (bf16 ones do not quantize), names unchanged; a wrong type is one line naming the key."""
+def test_direct_dequant_reaches_every_quantized_recipe_of_a_map():
+    """precision.direct_dequant: off by default; ``true`` reaches every quantized recipe of the map (bf16 ones do not
+    quantize), names unchanged; a wrong type is one line naming the key."""
     from nvfp4_train.precision.layer_map import LayerPrecisionMap, PrecisionRule
 
     cfg = compose_config("table", ["model=12b", "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
     assert cfg.precision.direct_dequant is False
     assert not any(r.direct_dequant for r in cfg.precision.layer_map(cfg.model.pattern).recipes.values())
-    with pytest.raises(ValueError, match=r"^precision.direct_dequant=true is refused: .*leave it false$") as info:
-        compose_config("table", ["model=12b", "precision.direct_dequant=true"])
-    assert "\n" not in str(info.value)
+    on = compose_config("table", ["model=12b", "precision.rules=[{recipe:mxfp4,blocks:'10'}]",
+                                  "precision.direct_dequant=true"])
+    assert on.precision.direct_dequant is True
+    assert {n: r.direct_dequant for n, r in on.precision.layer_map(on.model.pattern).recipes.items()} == {
+        "bf16": False, "nvfp4": True, "mxfp4": True}
     m = LayerPrecisionMap(cfg.model.pattern, "nvfp4", rules=[PrecisionRule(recipe="mxfp4", blocks="10")],
                           direct_dequant=True)
     assert {n: r.direct_dequant for n, r in m.recipes.items()} == {"bf16": False, "nvfp4": True, "mxfp4": True}
