@@ -232,7 +232,11 @@ class _QuantLayer:
         n = weight.shape[0]
         x = torch.nn.functional.pad(x, (0, pk))
         bias = None if bias is None else torch.nn.functional.pad(bias, (0, pn))
-        return quantized_linear(x, weight, bias, self.lctx)[..., :n]
+        y = quantized_linear(x, weight, bias, self.lctx)
+        # the real columns as a contiguous tensor: the copy its consumers make anyway (Mamba's mixer merges (s, b)
+        # into rows, a tensor-parallel reduction needs one buffer), and the layer's non-finite check then runs as
+        # its kernel (which takes one span of memory) instead of the reference's torch ops on a strided view
+        return y[..., :n].contiguous() if pn else y
 
 
 class QuantColumnParallelLinear(_QuantLayer, ColumnParallelLinear):

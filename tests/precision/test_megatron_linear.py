@@ -176,6 +176,7 @@ def test_odd_shapes_are_zero_padded_exactly(gen, recipe, n, k, pads):
     x = torch.randn(4, 32, k, generator=gen).bfloat16()
     y = layer(x)[0]
     assert y.shape == (4, 32, n)
+    assert y.is_contiguous()  # what the consumers and the layer's non-finite check kernel take without a copy
     # the same layer with 128 extra zero rows and columns in W (and x) computes the same values
     big = column(QuantColumnParallelLinear, k + 128, n + 128, cfg, recipe=r, layer_name="7.mlp.fc1")
     with torch.no_grad():
