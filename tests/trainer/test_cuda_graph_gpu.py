@@ -65,8 +65,17 @@ def _state(t: Trainer) -> tuple[list[torch.Tensor], list[int]]:
 
 
 def _same(a, b) -> None:
-    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    """The same parameters (bitwise) and call counts; a failure names the parameters that differ."""
+    assert len(a[0]) == len(b[0])
+    differ = [f"#{i} {tuple(x.shape)}: {int((x != y).sum())} elements" for i, (x, y) in enumerate(zip(a[0], b[0]))
+              if not torch.equal(x, y)]
+    assert not differ, f"{len(differ)} of {len(a[0])} parameters differ: {differ[:6]}"
     assert a[1] == b[1]
+
+
+def _first_step_differing(got: list, want: list) -> str:
+    i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+    return f"first difference at record {i}: {got[i:i + 1]} != {want[i:i + 1]} (got {len(got)}, want {len(want)})"
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -82,7 +91,7 @@ def test_graphed_training_equals_eager(tmp_path, one_process_env, model):  # noq
     (want, want_state), (again, again_state), (got, got_state) = runs
     assert again == want, "two eager runs differ: a nondeterministic kernel (see the module docstring)"
     _same(again_state, want_state)
-    assert got == want
+    assert got == want, _first_step_differing(got, want)
     assert not any(r[-1] for r in got if r[0] != "val")
     _same(got_state, want_state)
 
@@ -112,7 +121,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, one_process_env):  # noqa:
         assert g.step == 3 and g.resumed_from
         rest = _steps(g, 3)
         got_state = _state(g)
-    assert first + rest == want
+    assert first + rest == want, _first_step_differing(first + rest, want)
     _same(got_state, want_state)
 
 
