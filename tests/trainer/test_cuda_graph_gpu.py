@@ -125,6 +125,24 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, one_process_env):  # noqa:
     _same(got_state, want_state)
 
 
+
+@pytest.mark.parametrize("before,after", [("off", "on"), ("on", "off")])
+def test_resume_across_graph_modes_equals_an_uninterrupted_run(tmp_path, one_process_env, before, after):  # noqa: F811
+    """A checkpoint written eager resumes graphed, and one written graphed resumes eager: the steps after the resume
+    and the final parameters are the uninterrupted eager run's (``schedule.cuda_graph`` may change across a
+    resume)."""
+    with Trainer(_cfg(tmp_path / "eager", "off", *ATTN)) as e:
+        want, want_state = _steps(e, 6), _state(e)
+    with Trainer(_cfg(tmp_path / "run", before, *ATTN)) as t:
+        first = _steps(t, 3)
+        t.save()
+    with Trainer(_cfg(tmp_path / "run", after, *ATTN)) as t:
+        assert t.step == 3 and t.resumed_from and (t.cuda_graph is None) == (after == "off")
+        rest = _steps(t, 3)
+        got_state = _state(t)
+    assert first + rest == want, _first_step_differing(first + rest, want)
+    _same(got_state, want_state)
+
 # two ranks over NCCL: the hybrid `tiny` data-parallel; attention and MLP blocks under TP=2 with sequence
 # parallelism (TP collectives and the quantized layers' amax all-reduces inside the graph)
 LAYOUTS = {"dp2": [], "tp2sp": [*ATTN, "parallel.tp=2", "parallel.sequence_parallel=true"]}
