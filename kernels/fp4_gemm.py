@@ -50,11 +50,6 @@ Split-K: the cuBLASLt GEMM allows only split-K schemes that reduce the partial s
 partial sums at K = 20480 (tests/kernels/test_nvfp4_gemm_cublas.py), run with both switches on, would catch a
 16-bit reduction.
 
-A given already dequantized (``a_values`` of ``predequant_fp4_gemm``: the NVFP4 quantize kernel wrote an operand
-that the GEMM reads once as these values, ``NVFP4Values``): the launch dequantizes B alone, into a buffer where B
-starts at the address it would have after A's rows in the pair buffer modulo 256 bytes, so the cuBLASLt GEMM
-(shapes, leading dimensions, operand alignments: its algorithm) is the one of the packed path.
-
 Other designs measured on the way (a GEMM that dequantizes in its registers, a single-operand dequantize
 launch, cuBLAS with fp32 output followed by a separate alpha pass; docs/benchmarks.md) are in git history.
 """
@@ -381,29 +376,17 @@ def _check_dot_dtype(dot_dtype: str) -> None:
 
 def _check_operands(
     a_codes, a_scales, b_codes, b_scales, alpha, *, block: int, fmt_name: str,
-    amax: tuple[torch.Tensor, torch.Tensor] | None = None, a_values: torch.Tensor | None = None,
+    amax: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[int, int, int]:
     """(M, N, K) of two block-scaled FP4 operands (codes uint8 [., K/2], 1-byte scales [., K/block]), or a
     ValueError/TypeError that names the problem. ``alpha`` and ``amax`` (the
-    cublas engine's pair), when given, must be on the codes' device too. ``a_values``: A as its dequantized
-    [M, K] values instead of codes and scales (which are then None; its dtype is checked against the dot dtype
-    by ``predequant_fp4_gemm``)."""
-    if a_values is not None:
-        if a_codes is not None or a_scales is not None:
-            raise ValueError(f"{fmt_name} GEMM: A is given as values or as codes and scales, not both")
-        a_shape = tuple(a_values.shape)
-        M, K = a_shape if a_values.dim() == 2 else (0, 0)
-        a_tensors = [a_values]
-    else:
-        a_shape = tuple(a_codes.shape)
-        M, K = (a_codes.shape[0], a_codes.shape[1] * 2) if a_codes.dim() == 2 else (0, 0)
-        a_tensors = [a_codes, a_scales]
-    if len(a_shape) != 2 or b_codes.dim() != 2:
-        what = "values" if a_values is not None else "codes"
-        raise ValueError(f"{fmt_name} GEMM takes 2-D operands, got A's {what} {a_shape} and B's codes "
+    cublas engine's pair), when given, must be on the codes' device too."""
+    if a_codes.dim() != 2 or b_codes.dim() != 2:
+        raise ValueError(f"{fmt_name} GEMM takes 2-D operands, got codes {tuple(a_codes.shape)} and "
                          f"{tuple(b_codes.shape)}")
-    if (a_values is None and a_codes.dtype != torch.uint8) or b_codes.dtype != torch.uint8:
-        raise TypeError(f"{fmt_name} codes must be uint8, got {a_tensors[0].dtype} and {b_codes.dtype}")
+    if a_codes.dtype != torch.uint8 or b_codes.dtype != torch.uint8:
+        raise TypeError(f"{fmt_name} codes must be uint8, got {a_codes.dtype} and {b_codes.dtype}")
+    M, K = a_codes.shape[0], a_codes.shape[1] * 2
     N, Kb = b_codes.shape[0], b_codes.shape[1] * 2
     if K != Kb:
         raise ValueError(f"{fmt_name} GEMM: reduction dims differ (A is {(M, K)}, B is {(N, Kb)})")
@@ -413,13 +396,11 @@ def _check_operands(
             f"multiple of {block} (zero codes with zero scales contribute nothing)"
         )
     for name, s, rows in (("A", a_scales, M), ("B", b_scales, N)):
-        if s is None and name == "A" and a_values is not None:
-            continue
         if s.element_size() != 1 or tuple(s.shape) != (rows, K // block):
             raise ValueError(f"{fmt_name} GEMM: {name} scales must be 1-byte [{rows}, {K // block}], got "
                              f"{s.dtype} {tuple(s.shape)}")
-    dev = b_codes.device
-    tensors = a_tensors + [b_scales] + ([alpha] if alpha is not None else []) + list(amax or ())
+    dev = a_codes.device
+    tensors = [b_codes, a_scales, b_scales] + ([alpha] if alpha is not None else []) + list(amax or ())
     if any(t.device != dev for t in tensors):
         raise ValueError(f"{fmt_name} GEMM: all operands (codes, scales, amax) must be on {dev}")
     return M, N, K
@@ -465,26 +446,16 @@ def dequantize_fp4_blockwise_pair_triton(
 
 
 def _dequant_pair(a_codes, a_scales, b_codes, b_scales, *, block, scale_format, dtype, block_m=DEQUANT_BLOCK_M,
-                  block_k=DEQUANT_BLOCK_K, num_warps=DEQUANT_WARPS, amax=None, a_rows=None):
+                  block_k=DEQUANT_BLOCK_K, num_warps=DEQUANT_WARPS, amax=None):
     """``dequantize_fp4_blockwise_pair_triton`` without its shape and device checks (for callers that made
     them: ``predequant_fp4_gemm``), returning ``(a, b, alpha)``. ``amax=(amax_a, amax_b)`` (two 1-element fp32
     tensors on the codes' device): the launch also forms ``nvfp4_alpha`` from them, as the 1-element fp32 device
-    tensor ``alpha``; without it ``alpha`` is None. ``a_rows``: A is given as values of that many rows elsewhere
-    (``a_codes`` and ``a_scales`` None): the launch dequantizes B alone (and forms alpha), ``a`` is empty."""
+    tensor ``alpha``; without it ``alpha`` is None."""
     dot, kdot = _dequant_dtypes(dtype, scale_format)
-    N, K = b_codes.shape[0], b_codes.shape[1] * 2
-    dev = b_codes.device
-    if a_rows is None:
-        M = a_codes.shape[0]
-        out = torch.empty((M + N, K), dtype=dtype, device=dev)
-    else:
-        # B starts where the pair buffer would put it after A's a_rows rows, modulo 256 bytes (the allocator's
-        # blocks are 512-byte aligned): cuBLASLt's plan is keyed on the operands' alignment, up to 256 bytes
-        # (kernels/cublaslt.py), so the GEMM runs the algorithm, and the summation order, of the packed path
-        M = 0
-        pad = (a_rows * K) % (256 // dtype.itemsize)
-        out = torch.empty(pad + N * K, dtype=dtype, device=dev)[pad:].view(N, K)
-        a_codes, a_scales = b_codes, b_scales  # no row tile of A: the kernel reads neither
+    M, K = a_codes.shape[0], a_codes.shape[1] * 2
+    N = b_codes.shape[0]
+    dev = a_codes.device
+    out = torch.empty((M + N, K), dtype=dtype, device=dev)
     alpha = None if amax is None else torch.empty(1, dtype=torch.float32, device=dev)
     if M + N == 0 or K == 0:
         if alpha is not None:
@@ -728,7 +699,6 @@ def predequant_fp4_gemm(
     engine: str = "triton",
     amax: tuple[torch.Tensor, torch.Tensor] | None = None,
     accumulate_into: torch.Tensor | None = None,
-    a_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The NVFP4 and MXFP4 GEMMs on operands given as codes and 1-byte scales (``scale_format`` "e4m3" with
     ``block`` 16, or "e8m0" with 32; ``alpha`` a device scalar or None; ``out_dtype`` bf16 or fp32): each
@@ -737,18 +707,14 @@ def predequant_fp4_gemm(
     the Triton engine, "bf16" for cuBLAS. ``amax=(amax_a, amax_b)`` (NVFP4, engine "cublas", with
     ``alpha=None``): the dequantize launch forms ``nvfp4_alpha`` from them for the GEMM's epilogue.
     ``accumulate_into`` (engine "cublas" on CUDA: a contiguous [M, N] tensor of ``out_dtype``): the GEMM adds its
-    product into that tensor in its epilogue (beta = 1) and returns it (the Wgrad GEMM into fp32 ``main_grad``).
-    ``a_values`` (with ``a_codes`` and ``a_scales`` None): A already dequantized, [M, K] in the dot dtype (the
-    layout the dequantize launch writes; ``NVFP4Values``): the launch dequantizes only B."""
+    product into that tensor in its epilogue (beta = 1) and returns it (the Wgrad GEMM into fp32 ``main_grad``)."""
     check_gemm_engine(engine)
-    dev = b_codes.device
-    if accumulate_into is not None and (engine != "cublas" or not b_codes.is_cuda):
+    if accumulate_into is not None and (engine != "cublas" or not a_codes.is_cuda):
         raise ValueError(f"{fmt_name} GEMM: accumulate_into needs engine 'cublas' on CUDA, got engine {engine!r} "
-                         f"on {dev}")
+                         f"on {a_codes.device}")
     if amax is not None and (engine != "cublas" or alpha is not None):
         raise ValueError(f"{fmt_name} GEMM: amax= is for engine 'cublas' without alpha")
-    M, _, _ = _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name,
-                              amax=amax, a_values=a_values)
+    _check_operands(a_codes, a_scales, b_codes, b_scales, alpha, block=block, fmt_name=fmt_name, amax=amax)
     if engine == "cublas":
         # bf16 by default: every dequantized NVFP4 value (|v| in [2^-10, 2688], <= 6 significant bits) is
         # exact in bf16 (8-bit significand, fp32's exponent range), and so is every MXFP4 value (fp16 is
@@ -762,21 +728,15 @@ def predequant_fp4_gemm(
             raise ValueError(f"{fmt_name} GEMM: config is a Triton tile config; engine 'cublas' takes none")
         # gemm_alpha_cublas's checks hold by construction (da, db: one dtype, one device, [., K]); out_dtype and
         # the amax pair are checked here, once
-        alpha = _check_out_and_alpha(out_dtype, alpha, dev)
-        amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, dev)
+        alpha = _check_out_and_alpha(out_dtype, alpha, a_codes.device)
+        amax = _amax_pair_scalars(fmt_name + " GEMM", alpha, amax, a_codes.device)
     else:
         dot_dtype = dot_dtype or "fp16"
         _check_dot_dtype(dot_dtype)
-    if a_values is not None and a_values.dtype != _DOT_TORCH[dot_dtype]:
-        raise TypeError(f"{fmt_name} GEMM: A's values are {a_values.dtype} but engine {engine!r} reads "
-                        f"{_DOT_TORCH[dot_dtype]} operands here (dot_dtype {dot_dtype!r}): write them in that dtype")
     # both operands in one dequantize launch (shapes and devices checked above: _check_operands); given the amax
     # pair (engine "cublas", no alpha), the same launch forms alpha for the GEMM's epilogue
     da, db, amax_alpha = _dequant_pair(a_codes, a_scales, b_codes, b_scales, block=block, scale_format=scale_format,
-                                       dtype=_DOT_TORCH[dot_dtype], amax=amax,
-                                       a_rows=None if a_values is None else M)
-    if a_values is not None:
-        da = a_values
+                                       dtype=_DOT_TORCH[dot_dtype], amax=amax)
     if engine == "cublas":
         return _gemm_alpha_cublas(da, db, alpha if amax_alpha is None else amax_alpha, out_dtype, None,
                                   accumulate_into)

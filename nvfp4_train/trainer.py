@@ -652,7 +652,9 @@ class Trainer:
         saved_prec = (yaml.safe_load(saved_yaml.read_text()) or {}).get("precision") if saved_yaml.is_file() else None
         now_prec = yaml.safe_load(self.config_yaml).get("precision")
         if saved_prec is not None:
-            saved_prec = precision_with_new_defaults(saved_prec, now_prec)
+            from nvfp4_train.config.precision import without_retired_fields
+
+            saved_prec = precision_with_new_defaults(without_retired_fields(saved_prec), now_prec)
         if saved_prec is not None and saved_prec != now_prec:
             text = (f"the precision differs from checkpoint {path}'s (recipe {saved_prec.get('recipe')!r} -> "
                     f"{now_prec.get('recipe')!r}); the layers run this run's precision from here on")

@@ -248,13 +248,10 @@ class LayerPrecisionMap:
         rules: Sequence[PrecisionRule] = (),
         switch: PrecisionSwitch | None = None,
         gemm_engine: str | None = None,
-        direct_dequant: bool | None = None,
     ) -> None:
         """``pattern``: the hybrid pattern (``|`` allowed, ignored: indices are global); ``recipe``: a named
         recipe, or a custom :class:`QuantRecipe` (then ``keep_first``/``keep_last`` must be given);
-        ``gemm_engine``: the fp4 GEMM engine of every quantized recipe of the map (None: the recipes' own);
-        ``direct_dequant``: ``QuantRecipe.direct_dequant`` of every quantized recipe of the map (None: the
-        recipes' own)."""
+        ``gemm_engine``: the fp4 GEMM engine of every quantized recipe of the map (None: the recipes' own)."""
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern must be a non-empty string, got {pattern!r}")
         blocks = pattern.replace("|", "")
@@ -278,11 +275,9 @@ class LayerPrecisionMap:
         # Recipes a rule may name; the run's base name resolves to the run's (ablated) recipe.
         self._registry: dict[str, QuantRecipe] = {name: named_recipe(name) for name in recipe_names()}
         self._registry[base_name] = run_recipe
-        # the map-wide settings of every quantized recipe (QuantRecipe checks the engine's name and the bool)
-        settings = {k: v for k, v in (("gemm_engine", gemm_engine), ("direct_dequant", direct_dequant))
-                    if v is not None}
-        if settings:
-            self._registry = {k: r if r.is_bf16 else r.replace(**settings) for k, r in self._registry.items()}
+        if gemm_engine is not None:  # QuantRecipe checks the name
+            self._registry = {k: r if r.is_bf16 else r.replace(gemm_engine=gemm_engine)
+                              for k, r in self._registry.items()}
             run_recipe = self.run_recipe = self._registry[base_name]
 
         # keep counts

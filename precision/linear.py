@@ -9,12 +9,6 @@ GEMM). The forward pass casts x into BOTH its copies in one fused pass (fprop's 
 columnwise copy, Hadamard-mixed) and saves only the quantized wgrad copy of x and the quantized dgrad copy
 of W for backward: packed 4-bit codes, scales and amax, never a bf16 copy (unless that GEMM runs in bf16).
 
-With the recipe's ``direct_dequant`` (NVFP4 on a Hopper GEMM engine) the operands that one GEMM reads once, x
-rowwise (fprop A), dy rowwise (dgrad A) and dy columnwise (wgrad A), come from the quantize kernel as their
-block-scaled bf16/fp16 values, which is what the GEMM's dequantize launch would make of the packed copy: the same
-bits, with only B dequantized per GEMM. x columnwise is saved for backward and W, Wᵀ are cached, so they stay
-packed; on telemetry steps, which read the packed codes, every operand stays packed.
-
 An x or dy that carries its raw amax (``operand.attach_amax``: the squared ReLU of ``fusion.activation`` computes
 fc2's input amax and fc1's output-gradient amax in its own pass) is quantized with it: the same bits, without the
 quantizer's amax pass.
@@ -138,10 +132,9 @@ class QuantLinearFunction(torch.autograd.Function):
         seed = lctx.next_seed()
         w_row, w_col = lctx.weight_cache.get(weight, recipe, seed, lctx.amax_group, lctx.weight_pad)
         need_col_x = weight.requires_grad
-        tel = lctx.telemetry
         x_row, x_col = cast_pair(x2, recipe.fprop.a, recipe.wgrad.b if need_col_x else None, _seeds(seed, "x"),
-                                 lctx.amax_group, recipe.gemm_engine,
-                                 values=(recipe.direct_dequant and tel is None, False), amax=attached_amax(x))
+                                 lctx.amax_group, recipe.gemm_engine, amax=attached_amax(x))
+        tel = lctx.telemetry
         if tel is not None:
             tel.record("fprop.x", x2, recipe.fprop.a, x_row)
             tel.record("fprop.W", pad_weight(weight.detach(), lctx.weight_pad), recipe.fprop.b, w_row)
@@ -170,13 +163,11 @@ class QuantLinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_dx = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1]
-        tel = ctx.lctx.telemetry
-        direct = recipe.direct_dequant and tel is None
         dy_row, dy_col = cast_pair(
             dy2, recipe.dgrad.a if need_dx else None, recipe.wgrad.a if need_dw else None,
-            _seeds(ctx.seed, "dy"), ctx.lctx.amax_group, recipe.gemm_engine, values=(direct, direct),
-            amax=attached_amax(dy),
+            _seeds(ctx.seed, "dy"), ctx.lctx.amax_group, recipe.gemm_engine, amax=attached_amax(dy),
         )
+        tel = ctx.lctx.telemetry
         if tel is not None:
             if dy_row is not None:
                 tel.record("dgrad.dy", dy2, recipe.dgrad.a, dy_row)

@@ -12,10 +12,6 @@ its last dim) and once "columnwise" (its transpose, reduction along its first di
 with the columnwise copy Hadamard-mixed; NVFP4 16x16 tiles, whose transposed copy is the same values) and
 falls back to two casts otherwise. ``qgemm(a, b)`` computes ``C = A · Bᵀ`` for two operands of one format.
 
-An NVFP4 copy that the fused kernel writes and one Hopper GEMM reads once as its A operand can come as its
-block-scaled values (``values=``; ``NVFP4Values``, in the dtype that GEMM's dequantize launch writes): the same
-bits, without the packed round trip.
-
 Tensor-parallel amax: pass ``amax_group`` to all-reduce the NVFP4 amaxes with MAX before quantizing, so a
 TP-sharded tensor gets the scales it would have unsharded (RECIPE §3: the per-tensor scale is a property of
 the whole tensor).
@@ -39,13 +35,7 @@ import torch.distributed as dist
 # imported here, not in the functions: an import statement costs host time on every call of the hot path
 # (nvfp4_train.kernels.nvfp4 itself imports only torch; Triton is imported when a kernel first runs)
 from nvfp4_train.kernels.gemm_engine import DEFAULT_GEMM_ENGINE, resolve_gemm_engine
-from nvfp4_train.kernels.nvfp4 import (
-    nvfp4_amax,
-    nvfp4_gemm,
-    nvfp4_values_dtype,
-    quantize_nvfp4,
-    quantize_nvfp4_rowcol,
-)
+from nvfp4_train.kernels.nvfp4 import nvfp4_amax, nvfp4_gemm, quantize_nvfp4, quantize_nvfp4_rowcol
 from nvfp4_train.precision.recipe import OperandCast
 
 __all__ = ["Operand", "cast_pair", "cast_one", "qgemm", "operand_nbytes", "attach_amax", "attached_amax",
@@ -151,18 +141,15 @@ def cast_pair(
     seeds: tuple,
     amax_group: dist.ProcessGroup | None = None,
     engine: str = DEFAULT_GEMM_ENGINE,
-    values: tuple[bool, bool] = (False, False),
     amax: tuple[torch.Tensor, bool] | None = None,
 ) -> tuple[Operand | None, Operand | None]:
     """The rowwise operand of ``t`` [R, C] (reduction along C) and the columnwise one (of ``tᵀ``).
 
     ``None`` for a cast skips that copy. ``seeds``: the stochastic-rounding seeds of the two copies
     (``nvfp4_train.kernels.sr_key.operand_seed``): ints, or 0-d int64 device tensors holding them (the quantizers' ``seed``).
-    ``engine``: as for ``cast_one``. ``values``: (row, col): that copy, where the fused NVFP4 kernel writes it and
-    ``engine`` resolves to a Hopper engine on t's device, as ``NVFP4Values`` in the dtype the engine's GEMM reads
-    (for an A operand read by one GEMM only); else packed as always. ``amax``: t's raw amax as
-    :func:`attached_amax` gives it, used where :func:`pair_amax_rht` says these casts read that one (all-reduced
-    over ``amax_group`` first, as a computed one is); else ignored.
+    ``engine``: as for ``cast_one``. ``amax``: t's raw amax as :func:`attached_amax` gives it, used where
+    :func:`pair_amax_rht` says these casts read that one (all-reduced over ``amax_group`` first, as a computed one
+    is); else ignored.
     """
     row_seed, col_seed = seeds
     if amax is not None and pair_amax_rht(t.shape[0], row, col) != amax[1]:
@@ -184,17 +171,10 @@ def cast_pair(
                     dist.all_reduce(am, op=dist.ReduceOp.MAX, group=amax_group)
                 # two views of one buffer (one op): the quantizer reads them in place, no copy
                 row_amax, col_amax = am.unbind()
-            row_values, col_values = values
-            vdtype = None
-            if row_values or col_values:
-                vdtype = nvfp4_values_dtype(resolve_gemm_engine(engine, t.device))
-                if vdtype is None:  # the native engine reads packed codes
-                    row_values = col_values = False
             r, c = quantize_nvfp4_rowcol(
                 t, block_2d=block_2d, col_rht=col_rht, row_stochastic=row.rounding == "stochastic",
                 col_stochastic=col.rounding == "stochastic", row_seed=row_seed, col_seed=col_seed,
                 row_amax=row_amax, col_amax=None if block_2d else col_amax, swizzled=_swizzled(t, engine),
-                row_values=row_values, col_values=col_values, values_dtype=vdtype or torch.bfloat16,
             )
             return Operand("nvfp4", r), Operand("nvfp4", c)
     if row is not None and col is not None and row.format == col.format == "fp8_e4m3" and row.block == col.block:

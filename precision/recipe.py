@@ -197,16 +197,10 @@ class QuantRecipe:
     # which implementation runs the fp4 GEMMs (``kernels/gemm_engine.py``; ``precision.gemm_engine``): not the
     # numerics (every engine is exact up to the fp32 summation order), so not part of the name
     gemm_engine: str = DEFAULT_GEMM_ENGINE
-    # the fused quantize pass writes the NVFP4 operands that one Hopper GEMM reads once (x and dy rowwise, dy
-    # columnwise) as their dequantized values instead of packed codes for a separate dequantize launch
-    # (``precision.direct_dequant``): the same operand bits, so not part of the name either
-    direct_dequant: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"QuantRecipe.name={self.name!r} must be a non-empty string")
-        if not isinstance(self.direct_dequant, bool):
-            raise ValueError(f"QuantRecipe.direct_dequant={self.direct_dequant!r} must be a bool")
         if self.gemm_engine != DEFAULT_GEMM_ENGINE:
             from nvfp4_train.kernels.gemm_engine import check_gemm_engine
 
@@ -419,7 +413,6 @@ def apply_ablations(recipe: QuantRecipe, ablations: Ablations) -> QuantRecipe:
     return QuantRecipe(
         name=recipe.name + "".join(f"+{t}" for t in tags),
         gemm_engine=recipe.gemm_engine,
-        direct_dequant=recipe.direct_dequant,
         fprop=GemmCasts(
             "fprop",
             cast(f.a, weight=False, grad=False, rht=fprop_rht),

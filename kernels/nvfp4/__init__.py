@@ -7,19 +7,12 @@ the pure-PyTorch reference otherwise; both give the same bits):
     q.codes, q.scales, q.amax
     dequantize_nvfp4(q)                                    # float32 [M, K]
     row, col = quantize_nvfp4_rowcol(x, ...)               # both copies a linear layer needs, one pass
-    row, col = quantize_nvfp4_rowcol(x, row_values=True, values_dtype=nvfp4_values_dtype("cublas"))
-                                                           # row as NVFP4Values: q * sdec_b in bf16, amax
     nvfp4_gemm(a, b, out_dtype=torch.bfloat16, engine="cublas")   # C[M, N] = A[M, K] . B[N, K]^T
 
 ``engine`` (the run's ``precision.gemm_engine``, ``kernels/gemm_engine.py``): "cublas" or "triton" (the two
 Hopper engines of ``kernels/fp4_gemm.py``), "native" (the FP4 tensor-core GEMM of sm_100+,
 ``kernels/nvfp4/native.py``) or "auto" (native where the device supports it, else "cublas"). On the reference
 path (CPU without ``TRITON_INTERPRET=1``) every engine gives the reference's result.
-
-An operand that one Hopper GEMM reads once can be quantized straight to its block-scaled values
-(``NVFP4Values``: the values that GEMM's dequantize launch would write from the packed copy, the same bits):
-``nvfp4_gemm`` takes it as A, dequantizes only B and forms alpha from both amaxes. The native engine reads packed
-codes and refuses it.
 
 See ``reference.py`` for the exact arithmetic and the non-finite policy.
 """
@@ -34,11 +27,9 @@ from nvfp4_train.kernels.fp4_reference import check_seed, kernel_key
 from nvfp4_train.kernels.nvfp4.reference import (
     BLOCK,
     NVFP4Tensor,
-    NVFP4Values,
     check_amax,
     check_input,
     check_rowcol_input,
-    check_values_args,
     dequantize_nvfp4_ref,
     hadamard16_ref,
     nvfp4_alpha,
@@ -51,8 +42,6 @@ from nvfp4_train.kernels.nvfp4.reference import (
 
 __all__ = [
     "NVFP4Tensor",
-    "NVFP4Values",
-    "nvfp4_values_dtype",
     "quantize_nvfp4",
     "quantize_nvfp4_rowcol",
     "dequantize_nvfp4",
@@ -86,25 +75,9 @@ def _triton():
     return _TRITON_MODULES
 
 
-def _wrap(codes, scales_u8, amax, block_2d, swizzled=False) -> NVFP4Tensor | NVFP4Values:
-    if scales_u8 is None:  # a copy written as its values
-        return NVFP4Values(values=codes, amax=amax, block_2d=block_2d)
+def _wrap(codes, scales_u8, amax, block_2d, swizzled=False) -> NVFP4Tensor:
     return NVFP4Tensor(codes=codes, scales=scales_u8.view(torch.float8_e4m3fn), amax=amax, block_2d=block_2d,
                        swizzled=swizzled)
-
-
-# The dtype each Hopper engine reads dequantized NVFP4 operands in (``predequant_fp4_gemm``'s default dot dtype:
-# bf16 for cuBLASLt, fp16 for the Triton GEMM), i.e. the dtype an ``NVFP4Values`` A operand must have for it
-_VALUES_DTYPES = {"cublas": torch.bfloat16, "triton": torch.float16}
-
-
-def nvfp4_values_dtype(engine: str) -> torch.dtype | None:
-    """The dtype of an ``NVFP4Values`` operand for ``engine`` once resolved on its device (``resolve_gemm_engine``):
-    bf16 for "cublas", fp16 for "triton"; None for "native", which reads packed codes."""
-    if engine not in _VALUES_DTYPES and engine != "native":
-        check_gemm_engine(engine)
-        raise ValueError(f"nvfp4_values_dtype takes a resolved engine ('cublas', 'triton' or 'native'), got {engine!r}")
-    return _VALUES_DTYPES.get(engine)
 
 
 def quantize_nvfp4(
@@ -160,27 +133,20 @@ def quantize_nvfp4_rowcol(
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
     swizzled: bool = False,
-    row_values: bool = False,
-    col_values: bool = False,
-    values_dtype: torch.dtype = torch.bfloat16,
-) -> tuple[NVFP4Tensor | NVFP4Values, NVFP4Tensor | NVFP4Values]:
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Both copies of a [M, K] tensor in one pass: rowwise (blocks along K) and columnwise (x^T [K, M],
     blocks along M, Hadamard-mixed when ``col_rht``, with its own amax). With ``block_2d`` the columnwise
     copy is the rowwise copy transposed (the same values). ``swizzled``: both copies' scales in the native
-    GEMM's layout. ``row_seed`` / ``col_seed``: as ``quantize_nvfp4``'s ``seed``. ``row_values`` /
-    ``col_values``: that copy as ``NVFP4Values`` in ``values_dtype`` (bf16 or fp16: ``nvfp4_values_dtype(engine)``)
-    instead of packed codes and scales: for an operand a Hopper GEMM reads once (not with ``swizzled``)."""
+    GEMM's layout. ``row_seed`` / ``col_seed``: as ``quantize_nvfp4``'s ``seed``."""
     if not use_triton(x):
         return quantize_nvfp4_rowcol_ref(
             x, block_2d=block_2d, col_rht=col_rht, row_stochastic=row_stochastic,
             col_stochastic=col_stochastic, row_seed=row_seed, col_seed=col_seed,
             row_amax=row_amax, col_amax=col_amax, swizzled=swizzled,
-            row_values=row_values, col_values=col_values, values_dtype=values_dtype,
         )
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
     check_amax(col_amax, "col_amax")
-    check_values_args(row_values, col_values, values_dtype, swizzled)
     for seed in (row_seed, col_seed):
         if not isinstance(seed, int):  # a seed tensor (an int is checked by kernel_key)
             check_seed(seed, x.device)
@@ -188,7 +154,7 @@ def quantize_nvfp4_rowcol(
         x, write_row=True, write_col=True, block_2d=block_2d, col_rht=col_rht,
         row_stochastic=row_stochastic, col_stochastic=col_stochastic,
         row_key=kernel_key(row_seed), col_key=kernel_key(col_seed), row_amax=row_amax, col_amax=col_amax,
-        swizzled=swizzled, row_values=row_values, col_values=col_values, values_dtype=values_dtype,
+        swizzled=swizzled,
     )
     row_am, col_am = am.unbind()  # the views am[0], am[1] in one op
     return _wrap(rc, rs, row_am, block_2d, swizzled), _wrap(cc, cs, col_am, block_2d, swizzled)
@@ -208,30 +174,24 @@ def nvfp4_amax(x: torch.Tensor, col_rht: bool = False) -> torch.Tensor:
     return amax_triton(x, col_rht)
 
 
-def dequantize_nvfp4(q: NVFP4Tensor | NVFP4Values) -> torch.Tensor:
+def dequantize_nvfp4(q: NVFP4Tensor) -> torch.Tensor:
     """``q * fp32(sdec_b) * (amax / (6*448))`` as float32 [M, K] (torch ops on any device)."""
     return dequantize_nvfp4_ref(q)
 
 
-def nvfp4_gemm(a: NVFP4Tensor | NVFP4Values, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16,
+def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16,
                engine: str = DEFAULT_GEMM_ENGINE) -> torch.Tensor:
     """C[M, N] = alpha * A[M, K] . B[N, K]^T with both operands NVFP4 blocked along K, by ``engine`` (one of
-    ``GEMM_ENGINES``, checked on every call, on the reference path too, where it does not change the result).
-    A may be given as its values (``NVFP4Values``, in ``nvfp4_values_dtype(engine)``; not for the native engine)."""
+    ``GEMM_ENGINES``, checked on every call, on the reference path too, where it does not change the result)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"NVFP4 GEMM: reduction dims differ (A is {a.shape}, B is {b.shape})")
     if engine not in GEMM_ENGINES:
         check_gemm_engine(engine)
-    if isinstance(b, NVFP4Values):
-        raise TypeError("NVFP4 GEMM: B must be packed (an NVFP4Tensor); only A may be given as NVFP4Values")
-    if not use_triton(b.codes):
+    if not use_triton(a.codes):
         return nvfp4_gemm_ref(a, b, out_dtype=out_dtype)
     if engine == "auto" or engine == "native":
-        engine = resolve_gemm_engine(engine, b.codes.device)
+        engine = resolve_gemm_engine(engine, a.codes.device)
     if engine == "native":
-        if isinstance(a, NVFP4Values):
-            raise ValueError("NVFP4 GEMM: the native engine reads packed codes and scales; A is NVFP4Values: quantize "
-                             "it without row_values / col_values for gemm_engine native")
         from nvfp4_train.kernels.nvfp4.native import nvfp4_gemm_native
 
         return nvfp4_gemm_native(a, b, out_dtype=out_dtype)

@@ -4,15 +4,6 @@ asked, the columnwise copy (x^T, blocks along M, optionally Hadamard-mixed, its 
 Layout (same as ``kernels/nvfp4/reference.py``):
     row codes  uint8 [M, K/2]   row scales  e4m3 [M, K/16]    (blocks of 16 along K)
     col codes  uint8 [K, M/2]   col scales  e4m3 [K, M/16]    (blocks of 16 along M, i.e. rows of x^T)
-or, for a copy asked for as values (``row_values`` / ``col_values``: an operand that one Hopper GEMM reads once),
-    row values bf16/fp16 [M, K]     col values bf16/fp16 [K, M]    (row-major)
-holding ``e2m1(code) * fp32(sdec_b)`` without the tensor scale: the bits ``_dequant_pair_kernel``
-(``kernels/fp4_gemm.py``) writes from the packed copy, by its decode of the code and the scale byte
-(``_values16``). Every such value has at most 6 significant bits and lies in [2^-10, 2688], so it is exact in
-either dtype; a NaN block scale (the non-finite policy) gives NaN values. The tensor scale stays with the amax,
-for the GEMM's alpha. Writing 2 bytes per element here instead of 0.5625 saves the dequantize pass's read of
-the packed copy and its 2-byte write (1.125 bytes per element in all), for more instructions per element (sm_90,
-64x128, Triton 3.7.1: 56.0 with the row copy as values against 46.5, RNE; 89.0 with both against 70.1, SR).
 
 Two launches, because the per-tensor amax must be known before any block can be scaled:
   1. an amax kernel reads x once and reduces max|x| (and max|RHT(x^T)| for a mixed columnwise copy) with
@@ -65,12 +56,9 @@ from nvfp4_train.kernels.fp4_triton import (
     random_bits8_top,
     round_to_bf16,
     round_to_bf16_x2,
-    u32,
 )
 from nvfp4_train.kernels._dispatch import persistent_grid
-from nvfp4_train.kernels.fp4_gemm import _e2m1_f16, _e4m3_f16
 from nvfp4_train.kernels.fp4_layout_triton import scale_buffer, scale_offset
-from nvfp4_train.kernels.nvfp4.reference import check_values_args
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -265,57 +253,20 @@ def _codes(y, idx, key, SR: tl.constexpr, ASM: tl.constexpr = False):
 
 
 @triton.jit
-def _values16(codes, scale, BF16: tl.constexpr):
-    """E2M1 codes (int32; only the low nibble counts) times their block scale ``scale`` (fp16, ``_e4m3_f16`` of
-    the scale byte, broadcast against the codes): the decode and the fp16 product of ``_dequant_tile``, exact. As
-    the 16-bit pattern (int16) of a bf16 value (``BF16``: the top half of the exact fp32 value) or of the fp16
-    value. A NaN scale gives NaN (its payload is the device's)."""
-    v = _e2m1_f16((codes & 0xF).to(tl.uint16)) * scale
-    if BF16:
-        return (u32(v.to(tl.float32)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
-    else:
-        return v.to(tl.int16, bitcast=True)
-
-
-@triton.jit
-def _values32(codes_a, codes_b, scale, BF16: tl.constexpr):
-    """``_values16`` of two rows' codes as one 32-bit word (int32): row a's 16-bit value in the low half, row b's in
-    the high half (little-endian: a at the lower address)."""
-    lo = _values16(codes_a, scale, BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    hi = _values16(codes_b, scale, BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    return (lo | (hi << 16)).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _values64(lo, hi):
-    """Two ``_values32`` words as one int64, ``lo`` in the low half."""
-    return (lo.to(tl.uint32, bitcast=True).to(tl.uint64) | (hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)).to(
-        tl.int64, bitcast=True)
-
-
-@triton.jit
 def _row_quant(v, enc, sbyte, i: tl.constexpr, row0, M, K, k0, rbase, key, zero_codes,
                row_codes_ptr, row_scales_ptr, WRITE_ROW: tl.constexpr, SR: tl.constexpr,
-               G: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr = False,
-               VALUES: tl.constexpr = False, VALUES_BF16: tl.constexpr = True, row_values_ptr=None):
+               G: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr = False):
     """Rowwise copy of rows row0 + i (blocks of 16 along k): returns the codes [G, KB, 16] and stores
     the packed codes when WRITE_ROW (the scales of all 16 rows go out together: ``_store_row_scales16``).
     The codes may carry junk above bit 22 (only their low nibble counts) and the non-finite policy zeroes
-    the packed bytes (one select per 2 codes) instead of the codes. ``VALUES``: stores the values
-    ``_values16(codes, sbyte)`` at ``row_values_ptr`` [M, K] instead (a NaN scale makes them NaN whatever
-    the codes, so none are zeroed)."""
+    the packed bytes (one select per 2 codes) instead of the codes."""
     codes = _codes(v * enc[:, :, None], rbase + i * K.to(tl.uint32), key, SR, ASM)
     if WRITE_ROW:
         m = row0 + i  # [G, 1, 1]
-        if VALUES:
-            k = k0 + 16 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 16)[None, None, :]
-            vals = _values16(codes, _e4m3_f16(sbyte)[:, :, None], VALUES_BF16)
-            tl.store(row_values_ptr + m * K + k, vals, mask=(m < M) & (k < K))
-        else:
-            lo, hi = tl.split(tl.reshape(codes, [G, KB, 8, 2]))
-            kh = k0 // 2 + 8 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 8)[None, None, :]
-            pk = tl.where(zero_codes, 0, lo + (hi << 4)).to(tl.uint8)  # the low byte is exact
-            tl.store(row_codes_ptr + m * (K // 2) + kh, pk, mask=(m < M) & (kh < K // 2))
+        lo, hi = tl.split(tl.reshape(codes, [G, KB, 8, 2]))
+        kh = k0 // 2 + 8 * tl.arange(0, KB)[None, :, None] + tl.arange(0, 8)[None, None, :]
+        pk = tl.where(zero_codes, 0, lo + (hi << 4)).to(tl.uint8)  # the low byte is exact
+        tl.store(row_codes_ptr + m * (K // 2) + kh, pk, mask=(m < M) & (kh < K // 2))
     return codes
 
 
@@ -340,21 +291,17 @@ def _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s
 def _quantize_grouped_kernel(
     x_ptr, amax_ptr,
     row_codes_ptr, row_scales_ptr, col_words_ptr, col_scales_ptr, amax_out_ptr, enc_tab_ptr,
-    row_values_ptr, col_values_ptr,
     M, K, stride_m, stride_k, row_key, col_key,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BLOCK_2D: tl.constexpr,
     COL_RHT: tl.constexpr, ROW_SR: tl.constexpr, COL_SR: tl.constexpr, IS_BF16: tl.constexpr,
     NATIVE_CVT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     ASM: tl.constexpr = False, SWIZZLE: tl.constexpr = False, KEY_PTR: tl.constexpr = False,
-    ROW_VALUES: tl.constexpr = False, COL_VALUES: tl.constexpr = False, VALUES_BF16: tl.constexpr = True,
 ):
     """``KEY_PTR``: ``row_key`` / ``col_key`` point to int64 seeds (``load_key``), else they are the keys.
     ``ASM`` (GPU only): the steps that Triton cannot express in one instruction use inline PTX (add.rp,
     cvt.rn.bf16x2, prmt). The rowwise encode scales come from the table ``_enc_table`` writes, the columnwise
     ones too for bf16 input (see the column scale). ``SWIZZLE``: both copies' scales are stored in the native
-    GEMM's layout (``scale_offset``). ``ROW_VALUES`` / ``COL_VALUES``: that copy is stored as its values
-    (``_values16``; bf16 with ``VALUES_BF16``, else fp16) at ``row_values_ptr`` [M, K] / ``col_values_ptr``
-    [K, M] (int16 views) instead of codes and scales."""
+    GEMM's layout (``scale_offset``)."""
     G: tl.constexpr = BM // 16
     KB: tl.constexpr = BK // 16
     pid = tl.program_id(0)
@@ -403,7 +350,7 @@ def _quantize_grouped_kernel(
         if BLOCK_2D:
             # one scale per 16x16 tile: the max over the 16 rows of the row-block maxima
             t = tl.max(_max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15), axis=2)
-            e0, s0 = _block_scale(t, row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e0, s0 = _block_scale(t, row_s_dec, row_c, NATIVE_CVT, True, row_tab)
             e1, s1 = e0, s0
             e2, s2 = e0, s0
             e3, s3 = e0, s0
@@ -420,71 +367,55 @@ def _quantize_grouped_kernel(
             e14, s14 = e0, s0
             e15, s15 = e0, s0
         else:
-            e0, s0 = _block_scale(tl.max(tl.abs(x0), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e1, s1 = _block_scale(tl.max(tl.abs(x1), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e2, s2 = _block_scale(tl.max(tl.abs(x2), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e3, s3 = _block_scale(tl.max(tl.abs(x3), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e4, s4 = _block_scale(tl.max(tl.abs(x4), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e5, s5 = _block_scale(tl.max(tl.abs(x5), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e6, s6 = _block_scale(tl.max(tl.abs(x6), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e7, s7 = _block_scale(tl.max(tl.abs(x7), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e8, s8 = _block_scale(tl.max(tl.abs(x8), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e9, s9 = _block_scale(tl.max(tl.abs(x9), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e10, s10 = _block_scale(tl.max(tl.abs(x10), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e11, s11 = _block_scale(tl.max(tl.abs(x11), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e12, s12 = _block_scale(tl.max(tl.abs(x12), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e13, s13 = _block_scale(tl.max(tl.abs(x13), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e14, s14 = _block_scale(tl.max(tl.abs(x14), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
-            e15, s15 = _block_scale(tl.max(tl.abs(x15), axis=2), row_s_dec, row_c, NATIVE_CVT, not ROW_VALUES, row_tab)
+            e0, s0 = _block_scale(tl.max(tl.abs(x0), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e1, s1 = _block_scale(tl.max(tl.abs(x1), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e2, s2 = _block_scale(tl.max(tl.abs(x2), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e3, s3 = _block_scale(tl.max(tl.abs(x3), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e4, s4 = _block_scale(tl.max(tl.abs(x4), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e5, s5 = _block_scale(tl.max(tl.abs(x5), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e6, s6 = _block_scale(tl.max(tl.abs(x6), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e7, s7 = _block_scale(tl.max(tl.abs(x7), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e8, s8 = _block_scale(tl.max(tl.abs(x8), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e9, s9 = _block_scale(tl.max(tl.abs(x9), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e10, s10 = _block_scale(tl.max(tl.abs(x10), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e11, s11 = _block_scale(tl.max(tl.abs(x11), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e12, s12 = _block_scale(tl.max(tl.abs(x12), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e13, s13 = _block_scale(tl.max(tl.abs(x13), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e14, s14 = _block_scale(tl.max(tl.abs(x14), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
+            e15, s15 = _block_scale(tl.max(tl.abs(x15), axis=2), row_s_dec, row_c, NATIVE_CVT, True, row_tab)
         c0 = _row_quant(x0, e0, s0, 0, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c1 = _row_quant(x1, e1, s1, 1, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c2 = _row_quant(x2, e2, s2, 2, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c3 = _row_quant(x3, e3, s3, 3, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c4 = _row_quant(x4, e4, s4, 4, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c5 = _row_quant(x5, e5, s5, 5, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c6 = _row_quant(x6, e6, s6, 6, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c7 = _row_quant(x7, e7, s7, 7, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c8 = _row_quant(x8, e8, s8, 8, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c9 = _row_quant(x9, e9, s9, 9, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c10 = _row_quant(x10, e10, s10, 10, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c11 = _row_quant(x11, e11, s11, 11, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c12 = _row_quant(x12, e12, s12, 12, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c13 = _row_quant(x13, e13, s13, 13, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c14 = _row_quant(x14, e14, s14, 14, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
         c15 = _row_quant(x15, e15, s15, 15, row0, M, K, k0, rbase, rkey, row_nan, row_codes_ptr,
-                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM,
-                              ROW_VALUES, VALUES_BF16, row_values_ptr)
-        if WRITE_ROW and not ROW_VALUES:
+                              row_scales_ptr, WRITE_ROW, ROW_SR, G, KB, ASM)
+        if WRITE_ROW:
             _store_row_scales16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
                                 row_scales_ptr, m0, k0, M, K, G, KB, SWIZZLE)
 
@@ -519,7 +450,7 @@ def _quantize_grouped_kernel(
                     x15 = round_to_bf16_x2(x15, ASM, NATIVE_CVT)
             cmax = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
             if IS_BF16:
-                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT, not COL_VALUES, col_tab)
+                enc, csb = _block_scale(cmax, col_s_dec, col_c, NATIVE_CVT, True, col_tab)
             else:
                 # fp32 input: the encode scale by division, not by the table. The lookup is
                 # a gather load; Triton 3.6 anchors the rest of the columnwise copy to its layout (4 warps
@@ -548,42 +479,22 @@ def _quantize_grouped_kernel(
             c13 = _codes(x13 * enc, cbase + 13, ckey, COL_SR, ASM)
             c14 = _codes(x14 * enc, cbase + 14, ckey, COL_SR, ASM)
             c15 = _codes(x15 * enc, cbase + 15, ckey, COL_SR, ASM)
-        if COL_VALUES:
-            # x^T row k, the 16 values of group g (32 bytes, one thread's): k * M + m0 + 16 g + i, stored as 4 words of
-            # 64 bits (rows 4j .. 4j + 3) at word (k * M + m0 + 16 g) / 4 + j. The store's layout change then goes
-            # through shared memory by plain stores: of 16-bit values (and of 32-bit words) Triton 3.6 makes it with
-            # stmatrix, which the value copies that failed on the H200 (2026-12-05) had, as did the fp32-input column
-            # copy while it failed there (above), and no launch of this kernel that passed there has. Other kernels
-            # use stmatrix and pass on the H200, so it is the suspect, not a proof. A NaN block scale makes the
-            # values NaN whatever the codes, so none are zeroed.
-            gi = m0 // 16 + tl.arange(0, G)[:, None, None]
-            cmask = (gi < M // 16) & kmask
-            sc = _e4m3_f16(csb)
-            w01 = _values64(_values32(c0, c1, sc, VALUES_BF16), _values32(c2, c3, sc, VALUES_BF16))
-            w23 = _values64(_values32(c4, c5, sc, VALUES_BF16), _values32(c6, c7, sc, VALUES_BF16))
-            w45 = _values64(_values32(c8, c9, sc, VALUES_BF16), _values32(c10, c11, sc, VALUES_BF16))
-            w67 = _values64(_values32(c12, c13, sc, VALUES_BF16), _values32(c14, c15, sc, VALUES_BF16))
-            vals = tl.reshape(tl.join(tl.join(w01, w45), tl.join(w23, w67)), [G, KB, 16, 4])  # [.., p, q] -> 2p + q
-            mv = 4 * gi[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]
-            col_words = col_values_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-            tl.store(col_words + k[:, :, :, None] * (M // 4) + mv, vals, mask=cmask[:, :, :, None])
+        if not (COL_SR and not BLOCK_2D) and not (ROW_SR and BLOCK_2D):
+            lo = _pack8_lowbyte(c0, c1, c2, c3, c4, c5, c6, c7, ASM)  # RNE codes: junk above bit 22
+            hi = _pack8_lowbyte(c8, c9, c10, c11, c12, c13, c14, c15, ASM)
         else:
-            if not (COL_SR and not BLOCK_2D) and not (ROW_SR and BLOCK_2D):
-                lo = _pack8_lowbyte(c0, c1, c2, c3, c4, c5, c6, c7, ASM)  # RNE codes: junk above bit 22
-                hi = _pack8_lowbyte(c8, c9, c10, c11, c12, c13, c14, c15, ASM)
-            else:
-                lo = _pack8(c0, c1, c2, c3, c4, c5, c6, c7)
-                hi = _pack8(c8, c9, c10, c11, c12, c13, c14, c15)
-            w = lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)
-            if not BLOCK_2D:
-                w = tl.where(col_nan, 0, w)
-            else:
-                w = tl.where(row_nan, 0, w)  # the lean rowwise path leaves the codes themselves unzeroed
-            # x^T row k, 16 codes (8 bytes) of group g: word k * (M/16) + m0/16 + g
-            gi = m0 // 16 + tl.arange(0, G)[:, None, None]
-            cmask = (gi < M // 16) & kmask
-            tl.store(col_words_ptr + k * (M // 16) + gi, w.to(tl.int64, bitcast=True), mask=cmask)
-            tl.store(col_scales_ptr + scale_offset(k, gi, M // 16, SWIZZLE), csb.to(tl.uint8), mask=cmask)
+            lo = _pack8(c0, c1, c2, c3, c4, c5, c6, c7)
+            hi = _pack8(c8, c9, c10, c11, c12, c13, c14, c15)
+        w = lo.to(tl.uint64) | (hi.to(tl.uint64) << 32)
+        if not BLOCK_2D:
+            w = tl.where(col_nan, 0, w)
+        else:
+            w = tl.where(row_nan, 0, w)  # the lean rowwise path leaves the codes themselves unzeroed
+        # x^T row k, 16 codes (8 bytes) of group g: word k * (M/16) + m0/16 + g
+        gi = m0 // 16 + tl.arange(0, G)[:, None, None]
+        cmask = (gi < M // 16) & kmask
+        tl.store(col_words_ptr + k * (M // 16) + gi, w.to(tl.int64, bitcast=True), mask=cmask)
+        tl.store(col_scales_ptr + scale_offset(k, gi, M // 16, SWIZZLE), csb.to(tl.uint8), mask=cmask)
 
 
 @triton.jit
@@ -745,9 +656,6 @@ def quantize_nvfp4_rowcol_triton(
     maxnreg: int | None = None,
     amax_cfg: dict | None = None,
     swizzled: bool = False,
-    row_values: bool = False,
-    col_values: bool = False,
-    values_dtype: torch.dtype = torch.bfloat16,
 ):
     """Launch the fused kernels. Inputs are validated by the caller (``nvfp4_train.kernels.nvfp4``).
 
@@ -761,17 +669,11 @@ def quantize_nvfp4_rowcol_triton(
     ``row_key`` / ``col_key``: int keys (``seed_key``), or 0-d int64 seed tensors on x's device (the kernel
     loads them and applies ``seed_key``; see ``launch_keys``).
 
-    ``row_values`` / ``col_values``: that copy as its values ``e2m1(code) * sdec_b`` in ``values_dtype`` (bf16 or
-    fp16; [M, K] / [K, M], row-major) instead of codes and scales: the bits the GEMM's dequantize launch would
-    write from them (see the module docstring). Not with ``swizzled`` (there are no scales to swizzle).
-
     Returns (row_codes, row_scales_u8, col_codes, col_scales_u8, amax[2]) where absent copies are None and
-    ``amax`` holds the (policy-adjusted) row and column amax; a copy asked for as values comes as (values, None).
+    ``amax`` holds the (policy-adjusted) row and column amax.
     """
     M, K = x.shape
     dev = x.device
-    check_values_args(row_values, col_values, values_dtype, swizzled)
-    row_values, col_values = row_values and write_row, col_values and write_col
     is_bf16 = x.dtype == torch.bfloat16
     x = as_kernel_input(x)
     block_m, block_k, num_warps, maxnreg, ac = _launch_config(block_m, block_k, num_warps, maxnreg, amax_cfg)
@@ -796,10 +698,6 @@ def quantize_nvfp4_rowcol_triton(
         if swizzled:
             empty[1] = scale_buffer(M, K // 16, True, dev) if write_row else None
             empty[3] = scale_buffer(K, M // 16, True, dev) if write_col else None
-        if row_values:
-            empty[0:2] = torch.empty((M, K), dtype=values_dtype, device=dev), None
-        if col_values:
-            empty[2:4] = torch.empty((K, M), dtype=values_dtype, device=dev), None
         return (*empty, torch.where(torch.isinf(amax_in), float("nan"), amax_in))  # the policy, as in the kernel
     if not (have_row and have_col):
         # the amax pass max-reduces into slot 0, and into slot 1 when it mixes the columnwise copy: when one of
@@ -816,21 +714,16 @@ def quantize_nvfp4_rowcol_triton(
                 amax_in[1] = target[1]
         if need_col_amax and not col_rht and col_amax is None:
             amax_in[1] = amax_in[0]  # x^T has the same amax as x
-    packed_row, packed_col = write_row and not row_values, write_col and not col_values
-    row_codes = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if packed_row else None
-    row_scales = scale_buffer(M, K // 16, swizzled, dev) if packed_row else None
-    col_codes = torch.empty((K, M // 2), dtype=torch.uint8, device=dev) if packed_col else None
-    col_scales = scale_buffer(K, M // 16, swizzled, dev) if packed_col else None
-    row_vals = torch.empty((M, K), dtype=values_dtype, device=dev) if row_values else None
-    col_vals = torch.empty((K, M), dtype=values_dtype, device=dev) if col_values else None
+    row_codes = torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if write_row else None
+    row_scales = scale_buffer(M, K // 16, swizzled, dev) if write_row else None
+    col_codes = torch.empty((K, M // 2), dtype=torch.uint8, device=dev) if write_col else None
+    col_scales = scale_buffer(K, M // 16, swizzled, dev) if write_col else None
     amax_out = torch.empty(2, dtype=torch.float32, device=dev)
     dummy = amax_out
     enc_tab = torch.empty(256, dtype=torch.float32, device=dev)
     flags = dict(WRITE_ROW=write_row, WRITE_COL=write_col, BLOCK_2D=block_2d, COL_RHT=col_rht,
                  ROW_SR=row_stochastic, COL_SR=col_stochastic, BM=block_m, BK=block_k,
                  num_warps=num_warps, enable_fp_fusion=False)
-    if row_values or col_values:  # (the packed launch passes none of these: its compiled kernel is the same)
-        flags.update(ROW_VALUES=row_values, COL_VALUES=col_values, VALUES_BF16=values_dtype == torch.bfloat16)
     if maxnreg is not None:  # a register cap per thread (more programs per multiprocessor)
         flags["maxnreg"] = maxnreg
     # the columnwise codes are written as one 64-bit word per 16 elements
@@ -838,18 +731,13 @@ def quantize_nvfp4_rowcol_triton(
     rkey, ckey, kptr = launch_keys(row_key, col_key, row_stochastic, col_stochastic)
     _quantize_grouped_kernel[_grid(M, K, block_m, block_k)](
         x, amax_in,
-        row_codes if packed_row else dummy, row_scales if packed_row else dummy,
-        col_codes.view(torch.int64) if packed_col else dummy, col_scales if packed_col else dummy, amax_out,
+        row_codes if write_row else dummy, row_scales if write_row else dummy,
+        col_codes.view(torch.int64) if write_col else dummy, col_scales if write_col else dummy, amax_out,
         enc_tab,
-        row_vals.view(torch.int16) if row_values else dummy, col_vals.view(torch.int16) if col_values else dummy,
         M, K, x.stride(0), x.stride(1), rkey, ckey,
         IS_BF16=is_bf16, NATIVE_CVT=native, EVEN=M % block_m == 0 and K % block_k == 0, ASM=native,
         SWIZZLE=swizzled, KEY_PTR=kptr, **flags,
     )
     if write_col and block_2d:
         amax_out[1] = amax_out[0]
-    if row_values:
-        row_codes = row_vals
-    if col_values:
-        col_codes = col_vals
     return row_codes, row_scales, col_codes, col_scales, amax_out

@@ -91,47 +91,6 @@ class NVFP4Tensor:
         return from_blocked(self.scales, m, k // BLOCK)
 
 
-@dataclass
-class NVFP4Values:
-    """A quantized 2-D tensor held as its block-scaled values: the form of a GEMM operand that is quantized and
-    then read by one Hopper GEMM only (``quantize_nvfp4_rowcol(..., row_values=True)``), which would otherwise
-    dequantize the packed codes to exactly these values first.
-
-    values: bf16 or fp16 [M, K], ``e2m1(code) * fp32(sdec_b)`` without the tensor scale (exact in both dtypes:
-            at most 6 significant bits, |v| in [2^-10, 2688]; NaN where the block scale is the E4M3 NaN).
-    amax:   float32 0-d tensor, the tensor amax; its tensor scale ``amax / (6*448)`` goes to the GEMM's alpha.
-    block_2d: whether the scales were per 16x16 tile.
-    swizzled: always False (there are no scales); present because the GEMM paths ask every operand.
-    """
-
-    values: torch.Tensor
-    amax: torch.Tensor
-    block_2d: bool = False
-    swizzled: bool = False
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.values.shape)
-
-    def nbytes(self) -> int:
-        return self.values.numel() * self.values.element_size() + 4
-
-
-VALUES_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def check_values_args(row_values: bool, col_values: bool, values_dtype: torch.dtype, swizzled: bool) -> None:
-    """The copies asked for as values (``NVFP4Values``) are bf16 or fp16 and have no scales to swizzle."""
-    if not (row_values or col_values):
-        return
-    if values_dtype not in VALUES_DTYPES:
-        raise ValueError(f"values_dtype must be torch.bfloat16 or torch.float16 (the GEMM engines' operand dtypes), "
-                         f"got {values_dtype}")
-    if swizzled:
-        raise ValueError("a copy given as values has no scales: swizzled=True is for packed copies "
-                         "(the native GEMM's layout); pass swizzled=False or ask for packed copies")
-
-
 def check_input(x: torch.Tensor, block_2d: bool) -> None:
     """Validate what the quantizers accept (shared by the reference and the Triton path)."""
     check_2d_float(x, "NVFP4 quantization")
@@ -264,9 +223,9 @@ def quantize_nvfp4_ref(
     return NVFP4Tensor(codes=pack_nibbles(codes), scales=sdec, amax=amax, block_2d=block_2d)
 
 
-def dequantize_nvfp4_ref(q: NVFP4Tensor | NVFP4Values) -> torch.Tensor:
-    """``q * fp32(sdec_b) * (amax / (6*448))`` as float32 [M, K] (of an ``NVFP4Values``: its values times the
-    tensor scale, the same bits): the block values of ``_blockwise_values``, then the tensor scale."""
+def dequantize_nvfp4_ref(q: NVFP4Tensor) -> torch.Tensor:
+    """``q * fp32(sdec_b) * (amax / (6*448))`` as float32 [M, K]: the block values of ``_blockwise_values``, then
+    the tensor scale."""
     return _blockwise_values(q) * decode_scale(q.amax)
 
 
@@ -309,10 +268,7 @@ def quantize_nvfp4_rowcol_ref(
     row_amax: torch.Tensor | None = None,
     col_amax: torch.Tensor | None = None,
     swizzled: bool = False,
-    row_values: bool = False,
-    col_values: bool = False,
-    values_dtype: torch.dtype = torch.bfloat16,
-) -> tuple[NVFP4Tensor | NVFP4Values, NVFP4Tensor | NVFP4Values]:
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """The two copies a linear layer needs from one [M, K] tensor: the rowwise copy (blocks along K) and
     the columnwise copy of x^T ([K, M], blocks along M; Hadamard-mixed when ``col_rht``, its own amax).
     In 2-D mode the columnwise copy is the rowwise copy transposed (same values, same amax).
@@ -320,12 +276,10 @@ def quantize_nvfp4_rowcol_ref(
     ``row_amax`` / ``col_amax``: given amaxes (e.g. all-reduced over tensor-parallel ranks) replace the local
     ones. Without ``col_rht`` the columnwise copy holds x's own values, so a given ``row_amax`` is its amax too
     when ``col_amax`` is not given (x^T has the amax of x), as in the Triton path. ``swizzled``: both copies'
-    scales in the native GEMM's layout. ``row_values`` / ``col_values``: that copy as ``NVFP4Values`` in
-    ``values_dtype`` (bf16 or fp16; not with ``swizzled``): the block-scaled values of the packed copy."""
+    scales in the native GEMM's layout."""
     check_rowcol_input(x, block_2d, col_rht, row_stochastic, col_stochastic)
     check_amax(row_amax, "row_amax")
     check_amax(col_amax, "col_amax")
-    check_values_args(row_values, col_values, values_dtype, swizzled)
     row = quantize_nvfp4_ref(x, block_2d=block_2d, stochastic=row_stochastic, seed=row_seed, amax=row_amax)
     if block_2d:
         col = transpose_nvfp4_ref(row)
@@ -335,16 +289,7 @@ def quantize_nvfp4_rowcol_ref(
         col = quantize_nvfp4_ref(x.t(), rht=col_rht, stochastic=col_stochastic, seed=col_seed, amax=col_amax)
     if swizzled:
         return swizzle_nvfp4(row), swizzle_nvfp4(col)
-    if row_values:
-        row = values_nvfp4(row, values_dtype)
-    if col_values:
-        col = values_nvfp4(col, values_dtype)
     return row, col
-
-
-def values_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> NVFP4Values:
-    """``q`` as its block-scaled values ``e2m1(code) * fp32(sdec_b)`` in ``dtype`` (exact; bf16 or fp16)."""
-    return NVFP4Values(values=_blockwise_values(q).to(dtype), amax=q.amax, block_2d=q.block_2d)
 
 
 def swizzle_nvfp4(q: NVFP4Tensor) -> NVFP4Tensor:
@@ -383,10 +328,8 @@ def nvfp4_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
     return decode_scale(amax_a) * decode_scale(amax_b)
 
 
-def nvfp4_gemm_ref(a: NVFP4Tensor | NVFP4Values, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16
-                   ) -> torch.Tensor:
-    """``C = alpha * (A_blocks @ B_blocks^T)``: A [M, K], B [N, K], both blocked along K (A may be given as its
-    values, ``NVFP4Values``).
+def nvfp4_gemm_ref(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``C = alpha * (A_blocks @ B_blocks^T)``: A [M, K], B [N, K], both blocked along K.
 
     Each operand is dequantized without its tensor scale (``q * sdec_b``: exact in bf16 and fp32), the
     products are summed in float64 (the Triton kernel sums in fp32 in its own order; on inputs whose
@@ -402,10 +345,8 @@ def nvfp4_gemm_ref(a: NVFP4Tensor | NVFP4Values, b: NVFP4Tensor, out_dtype: torc
     return (acc * nvfp4_alpha(a.amax, b.amax)).to(out_dtype)
 
 
-def _blockwise_values(q: NVFP4Tensor | NVFP4Values) -> torch.Tensor:
+def _blockwise_values(q: NVFP4Tensor) -> torch.Tensor:
     """``q * fp32(sdec_b)`` as fp32 [M, K] (no tensor scale)."""
-    if isinstance(q, NVFP4Values):
-        return q.values.to(torch.float32)
     m, k = q.shape
     vals = e2m1_decode(unpack_nibbles(q.codes)).view(m, k // BLOCK, BLOCK)
     return (vals * q.rowmajor_scales().to(torch.float32).unsqueeze(-1)).view(m, k)

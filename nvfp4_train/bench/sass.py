@@ -17,7 +17,6 @@ Usage (repo root)::
 
     python3 scripts/sass_count.py                        # the quantize kernel, RNE, its default 64x128 tile
     python3 scripts/sass_count.py --sr --sass q.sass     # stochastic rounding; the disassembly written to q.sass
-    python3 scripts/sass_count.py --values               # both copies written as bf16 values (direct_dequant)
     python3 scripts/sass_count.py --fp8-blockwise --block-m 32         # the FP8 1x128 cast, the rowwise copy
     python3 scripts/sass_count.py --fp8-rowcol --chunk-m 64 --num-warps 8   # FP8 1x128, both copies (grouped)
 """
@@ -169,20 +168,18 @@ def _tile_kernel_count(kernel, pointers: dict[str, str], ints: dict[str, str], c
 
 
 def quantize_kernel_sass(sr: bool = False, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
-                         arch: int = 90, values: bool = False) -> SassCount:
+                         arch: int = 90) -> SassCount:
     """The fused NVFP4 quantize kernel as the linear layers launch it on a contiguous bf16 tensor (both copies, the
     columnwise one Hadamard-mixed; ``sr``: stochastic rounding on both copies, as for a gradient, else
-    round-to-nearest-even), on the GPU path (hardware conversions, inline PTX). ``values``: both copies written as
-    their bf16 values instead of codes and scales (``precision.direct_dequant``, as for dy)."""
+    round-to-nearest-even), on the GPU path (hardware conversions, inline PTX)."""
     from nvfp4_train.kernels.nvfp4.quantize import _quantize_grouped_kernel
 
     pointers = dict(x_ptr="*bf16", amax_ptr="*fp32", row_codes_ptr="*u8", row_scales_ptr="*u8",
-                    col_words_ptr="*i64", col_scales_ptr="*u8", amax_out_ptr="*fp32", enc_tab_ptr="*fp32",
-                    row_values_ptr="*i16", col_values_ptr="*i16")
+                    col_words_ptr="*i64", col_scales_ptr="*u8", amax_out_ptr="*fp32", enc_tab_ptr="*fp32")
     ints = dict(M="i32", K="i32", stride_m="i32", row_key="i64", col_key="i64")
     constexprs = dict(WRITE_ROW=True, WRITE_COL=True, BLOCK_2D=False, COL_RHT=True, ROW_SR=sr, COL_SR=sr,
                       IS_BF16=True, NATIVE_CVT=True, EVEN=True, BM=block_m, BK=block_k, ASM=True, SWIZZLE=False,
-                      KEY_PTR=False, stride_k=1, ROW_VALUES=values, COL_VALUES=values, VALUES_BF16=True)
+                      KEY_PTR=False, stride_k=1)
     return _tile_kernel_count(_quantize_grouped_kernel, pointers, ints, constexprs, num_warps, arch,
                               block_m * block_k, options=dict(enable_fp_fusion=False))
 
@@ -235,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90 = sm_90)")
     ap.add_argument("--top", type=int, default=30, help="opcodes listed, most frequent first")
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
-    ap.add_argument("--values", action="store_true", help="both copies written as bf16 values (direct_dequant)")
     ap.add_argument("--fp8-blockwise", action="store_true",
                     help="the FP8 1x128 tile kernel writing the rowwise copy instead (--block-m x --block-k)")
     ap.add_argument("--fp8-rowcol", action="store_true",
@@ -254,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# FP8 1x128 cast kernel, the rowwise copy, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
               f"sm_{a.arch}\n")
     else:
-        c = quantize_kernel_sass(a.sr, a.block_m, a.block_k, a.num_warps, a.arch, a.values)
+        c = quantize_kernel_sass(a.sr, a.block_m, a.block_k, a.num_warps, a.arch)
         print(f"# NVFP4 quantize kernel, {'SR' if a.sr else 'RNE'}, {a.block_m}x{a.block_k}, {a.num_warps} warps, "
-              f"sm_{a.arch}{', values' if a.values else ''}\n")
+              f"sm_{a.arch}\n")
     print(report(c, a.top))
     if a.sass:
         a.sass.write_text(c.sass)

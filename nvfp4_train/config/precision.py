@@ -9,7 +9,19 @@ from omegaconf import MISSING
 from nvfp4_train.precision.layer_map import LayerPrecisionMap, PrecisionRule, PrecisionSwitch
 from nvfp4_train.precision.recipe import DEFAULT_GEMM_ENGINE, Ablations
 
-__all__ = ["PrecisionConfig"]
+__all__ = ["PrecisionConfig", "RETIRED_FIELDS", "without_retired_fields"]
+
+
+# Fields that a saved ``precision`` section (a checkpoint's ``config.yaml``) may name and this schema no longer has,
+# none of which changed the numerics: ``direct_dequant`` wrote some NVFP4 operands as their block-scaled values
+# instead of packed codes, the same bits as the packed path that every run now takes.
+RETIRED_FIELDS = ("direct_dequant",)
+
+
+def without_retired_fields(saved: dict) -> dict:
+    """A saved ``precision`` section without its ``RETIRED_FIELDS``: what this schema reads of it (a resume, an
+    evaluation or an export of a checkpoint written while one of them existed)."""
+    return {k: v for k, v in saved.items() if k not in RETIRED_FIELDS}
 
 
 @dataclass(kw_only=True)
@@ -34,19 +46,8 @@ class PrecisionConfig:
     16-bit GEMM), ``native`` (the FP4 tensor cores of sm_100+) or ``auto`` (native where the GPU has it, else
     cublas). Exact up to the fp32 summation order; on CPU (the reference path) the results do not depend on it.
     MXFP4 runs its one Triton GEMM under both Hopper engines."""
-    direct_dequant: bool = False
-    """NVFP4 on the Hopper engines (cublas, triton): the quantize kernel writes the operands that one GEMM reads
-    once (x rowwise for fprop, dy rowwise for dgrad, dy columnwise with RHT for wgrad) as their block-scaled
-    values (bf16 / fp16), which the GEMM's dequantize launch would otherwise write from the packed codes. The same
-    bits; about 1.1 bytes of memory traffic less per element of those operands. x columnwise (saved for
-    backward) and the cached weight stay packed; off on telemetry steps and for the native engine (both read
-    packed codes). Off by default until its step is measured: the kernels passed their bitwise GPU tests on an
-    H100 (2026-12-05, f261a02), after the columnwise value copy's store was changed (``docs/benchmarks.md``,
-    "Correctness on the GPU")."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.direct_dequant, bool):
-            raise ValueError(f"precision.direct_dequant={self.direct_dequant!r} must be a bool (true or false)")
         if self.gemm_engine == DEFAULT_GEMM_ENGINE:
             return
         from nvfp4_train.kernels.gemm_engine import GEMM_ENGINES  # only for another engine: the table imports no kernels
@@ -66,5 +67,4 @@ class PrecisionConfig:
             rules=self.rules,
             switch=self.switch,
             gemm_engine=self.gemm_engine,
-            direct_dequant=self.direct_dequant,
         )

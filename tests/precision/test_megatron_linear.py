@@ -290,31 +290,6 @@ def test_gradient_accumulation_fusion(gen, kind, recipe):
         w.grad = None
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_direct_dequant_is_bitwise_the_packed_path(gen, bias):
-    """The column + row pair with precision.direct_dequant (x and dy rowwise, dy columnwise as values) gives the
-    packed path's output, input gradient and parameter gradients bit for bit, over two micro-batches (the
-    weight cache and the stochastic-rounding streams alike)."""
-    cfg = config()
-    runs = []
-    for direct in (False, True):
-        nv = named_recipe("nvfp4").replace(direct_dequant=direct)
-        layers = _pair(QuantColumnParallelLinear, QuantRowParallelLinear, cfg, bias,
-                       fc1={"recipe": nv, "layer_name": "1.mlp.fc1", "seed": 3},
-                       fc2={"recipe": nv, "layer_name": "1.mlp.fc2", "seed": 3})
-        if runs:
-            for a, b in zip(layers, runs[0][0]):
-                _copy_params(a, b)
-        g = torch.Generator().manual_seed(11)
-        outs = [_run(*layers, torch.randn(16, 2, 64, generator=g).bfloat16(),
-                     torch.randn(16, 2, 64, generator=g).bfloat16()) for _ in range(2)]
-        runs.append((layers, outs))
-    bits = lambda t: t.view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731 (zero signs too)
-    for (y0, gx0, gp0), (y1, gx1, gp1) in zip(runs[0][1], runs[1][1], strict=True):
-        assert torch.equal(bits(y0), bits(y1)) and torch.equal(bits(gx0), bits(gx1))
-        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(gp0, gp1, strict=True))
-
-
 def _sr_violations(recipe, gen, samples: int, bound_samples: int) -> float:
     """Share of the entries of the mean input gradient of a quantized column layer that fall outside the
     bound for an UNBIASED stochastic rounding of dy (dgrad: dx = Q(dy) · Wq, dy 1x16 blocks along N).

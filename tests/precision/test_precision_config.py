@@ -56,30 +56,6 @@ def test_gemm_engine_is_validated_once_with_the_choices():
         compose_config("table", ["precision.gemm_engine=cuBLAS"])
 
 
-def test_direct_dequant_reaches_every_quantized_recipe_of_a_map():
-    """precision.direct_dequant: off by default; ``true`` reaches every quantized recipe of the map (bf16 ones do not
-    quantize), names unchanged; a wrong type is one line naming the key."""
-    from nvfp4_train.precision.layer_map import LayerPrecisionMap, PrecisionRule
-
-    cfg = compose_config("table", ["model=12b", "precision.rules=[{recipe:mxfp4,blocks:'10'}]"])
-    assert cfg.precision.direct_dequant is False
-    assert not any(r.direct_dequant for r in cfg.precision.layer_map(cfg.model.pattern).recipes.values())
-    on = compose_config("table", ["model=12b", "precision.rules=[{recipe:mxfp4,blocks:'10'}]",
-                                  "precision.direct_dequant=true"])
-    assert on.precision.direct_dequant is True
-    assert {n: r.direct_dequant for n, r in on.precision.layer_map(on.model.pattern).recipes.items()} == {
-        "bf16": False, "nvfp4": True, "mxfp4": True}
-    m = LayerPrecisionMap(cfg.model.pattern, "nvfp4", rules=[PrecisionRule(recipe="mxfp4", blocks="10")],
-                          direct_dequant=True)
-    assert {n: r.direct_dequant for n, r in m.recipes.items()} == {"bf16": False, "nvfp4": True, "mxfp4": True}
-    assert m.run_recipe.name == "nvfp4"
-    with pytest.raises(ValueError, match=r"^precision.direct_dequant=1 must be a bool \(true or false\)$"):
-        PrecisionConfig(recipe="nvfp4", direct_dequant=1)
-    with pytest.raises(ValueError, match=r"precision.direct_dequant expects bool") as info:
-        compose_config("table", ["precision.direct_dequant=maybe"])
-    assert "\n" not in str(info.value)
-
-
 @pytest.mark.parametrize("name", PRECISIONS)
 def test_each_precision_config(name):
     cfg = compose_config("table", [f"precision={name}", "model=12b"])
@@ -144,8 +120,7 @@ def test_appended_unknown_key_is_an_error_naming_it():
 
 @pytest.mark.parametrize(
     "override, names",
-    [("model.hidden_size=wide", "model.hidden_size"), ("precision.ablations.rht=maybe", "precision.ablations.rht"),
-     ("precision.direct_dequant=maybe", "precision.direct_dequant")],
+    [("model.hidden_size=wide", "model.hidden_size"), ("precision.ablations.rht=maybe", "precision.ablations.rht")],
 )
 def test_wrong_type_is_an_error_naming_it(override, names):
     with pytest.raises(ValueError) as info:

@@ -142,18 +142,6 @@ def test_gemm_engine_default_and_check():
         named_recipe("nvfp4").replace(gemm_engine="cuBLAS")
 
 
-def test_direct_dequant_default_check_and_ablations():
-    """Off by default; a bool, else a ValueError; not in the name (the same numbers); kept by the ablations."""
-    nv = named_recipe("nvfp4")
-    assert nv.direct_dequant is False
-    on = nv.replace(direct_dequant=True)
-    assert on.direct_dequant is True and on.name == nv.name and on != nv
-    with pytest.raises(ValueError, match=r"QuantRecipe.direct_dequant='yes' must be a bool"):
-        nv.replace(direct_dequant="yes")
-    r = apply_ablations(on, Ablations(rht=False))
-    assert r.direct_dequant is True and r.name == "nvfp4+no_rht"
-
-
 def test_ablation_cases_are_the_vocabulary():
     """Every recipe-changing name of ABLATIONS is a case above, with that one switch set."""
     assert set(ABLATION_CASES) == set(ABLATIONS) - {"all_blocks"}

@@ -68,37 +68,6 @@ def test_nvfp4_wgrad_into_main_grad_within_bound(gen):
     assert diff.max() > 0  # the fused path skipped a rounding somewhere (the comparison is not vacuous)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_direct_dequant_is_bitwise_the_packed_path(gen, fused):
-    """precision.direct_dequant: the quantize kernel writes x rowwise, dy rowwise and dy columnwise as the values the
-    dequantize launch would write, in the same layout, and the GEMMs get the same alignments (fp4_gemm.py), hence
-    the same cuBLASLt algorithms: y, dx and the weight gradient (returned, or added into main_grad) are the packed
-    path's bits, over two micro-batches."""
-    M, K, N = 512, 384, 272
-    w0 = (torch.randn(N, K, generator=gen) * 0.05).bfloat16()
-    runs = []
-    for direct in (False, True):
-        recipe = named_recipe("nvfp4").replace(direct_dequant=direct)
-        w = torch.nn.Parameter(w0.clone().cuda())
-        w.main_grad = torch.zeros(N, K, dtype=torch.float32, device="cuda")
-        lctx = LinearContext(recipe=recipe, seed=1234, wgrad_fusion=fused)
-        g = torch.Generator().manual_seed(7)
-        outs = []
-        for _ in range(2):
-            x = torch.randn(M, K, generator=g).bfloat16().cuda().requires_grad_()
-            dy = torch.randn(M, N, generator=g).bfloat16().cuda()
-            w.grad_added_to_main_grad = False
-            y = QuantLinearFunction.apply(x, w, None, lctx)
-            y.backward(dy)
-            assert w.grad_added_to_main_grad == fused
-            outs += [y.detach(), x.grad] + ([] if fused else [w.grad])
-            w.grad = None
-        runs.append(outs + [w.main_grad.clone()])
-    for a, b in zip(*runs, strict=True):
-        bits = torch.int16 if a.element_size() == 2 else torch.int32
-        assert torch.equal(a.view(bits), b.view(bits))
-
-
 def test_padded_weight_falls_back_to_the_returned_gradient(gen):
     """A weight the recipe pads (N not a multiple of 16) cannot take the padded product in place: the layer returns
     the gradient as without the fusion."""

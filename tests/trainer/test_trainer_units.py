@@ -123,10 +123,28 @@ def test_hybrid_layers_carry_their_block_role_and_base_recipe():
 def test_a_precision_field_added_after_the_checkpoint_is_no_precision_change():
     from nvfp4_train.trainer import precision_with_new_defaults
 
-    now = {"recipe": "nvfp4", "direct_dequant": False, "keep_first": None}
-    # written before direct_dequant existed: its default is what the checkpoint trained with
+    now = {"recipe": "nvfp4", "gemm_engine": "cublas", "keep_first": None}
+    # written before gemm_engine existed: its default is what the checkpoint trained with
     assert precision_with_new_defaults({"recipe": "nvfp4", "keep_first": None}, now) == now
     # a value that differs from the default, or a field the checkpoint names, is still a change
     assert precision_with_new_defaults({"recipe": "nvfp4", "keep_first": None},
-                                       {**now, "direct_dequant": True}) != {**now, "direct_dequant": True}
-    assert precision_with_new_defaults({**now, "direct_dequant": True}, now) != now
+                                       {**now, "gemm_engine": "triton"}) != {**now, "gemm_engine": "triton"}
+    assert precision_with_new_defaults({**now, "gemm_engine": "triton"}, now) != now
+
+
+@pytest.mark.parametrize("direct_dequant", [False, True])
+def test_a_retired_precision_field_of_a_checkpoint_is_no_precision_change(direct_dequant):
+    """A checkpoint written while ``precision.direct_dequant`` existed (the same bits as the packed path every run
+    now takes) resumes, evaluates and exports with this schema: the retired field is dropped, nothing else."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from nvfp4_train.config.precision import PrecisionConfig, without_retired_fields
+    from nvfp4_train.trainer import precision_with_new_defaults
+
+    now = yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(PrecisionConfig(recipe="nvfp4"))))
+    saved = {**now, "direct_dequant": direct_dequant}
+    assert precision_with_new_defaults(without_retired_fields(saved), now) == now
+    assert without_retired_fields({**saved, "gemm_engine": "triton"}) == {**now, "gemm_engine": "triton"}
+    prec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig), without_retired_fields(saved)))
+    assert prec == PrecisionConfig(recipe="nvfp4")
