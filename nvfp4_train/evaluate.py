@@ -92,9 +92,7 @@ def split_tokens(prefix: str) -> int:
 
 def load_model(checkpoint: str, *, precision: str = "trained", device: str = "cpu"):
     """(run info, our model with the checkpoint's weights) at TP = PP = 1 on ``device``, bf16 parameters."""
-    from omegaconf import OmegaConf
-
-    from nvfp4_train.config.precision import PrecisionConfig, without_retired_fields
+    from nvfp4_train.config.precision import saved_precision_config
     from nvfp4_train.export.checkpoint_io import build_model_single, load_checkpoint_model
 
     if precision not in PRECISIONS:
@@ -102,9 +100,7 @@ def load_model(checkpoint: str, *, precision: str = "trained", device: str = "cp
     info, state = load_checkpoint_model(checkpoint)
     layer_map = None
     if precision == "trained":
-        saved = without_retired_fields(info.config["precision"])
-        prec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig), saved))
-        layer_map = prec.layer_map(info.model.pattern)
+        layer_map = saved_precision_config(info.config["precision"]).layer_map(info.model.pattern)
     model = build_model_single(info.model, dtype=torch.bfloat16, layer_map=layer_map)
     model.load_state_dict(state, strict=False)
     return info, model.to(device)

@@ -51,6 +51,7 @@ import torch
 from nvfp4_train.checkpoint import (CheckpointError, CheckpointWriteError, check_writable, find_resume_checkpoint,
                                     load_checkpoint, save_checkpoint, start_checkpoint_writer)
 from nvfp4_train.config.compose import check_finite
+from nvfp4_train.config.precision import without_retired_fields
 from nvfp4_train.cuda_graph import CudaGraphStep, resolve_cuda_graph
 from nvfp4_train.mcore_compat.safe_load import UntrustedPickleError
 from nvfp4_train.metrics import MetricsLogger, peak_flops_per_device, peak_memory_gb
@@ -652,8 +653,6 @@ class Trainer:
         saved_prec = (yaml.safe_load(saved_yaml.read_text()) or {}).get("precision") if saved_yaml.is_file() else None
         now_prec = yaml.safe_load(self.config_yaml).get("precision")
         if saved_prec is not None:
-            from nvfp4_train.config.precision import without_retired_fields
-
             saved_prec = precision_with_new_defaults(without_retired_fields(saved_prec), now_prec)
         if saved_prec is not None and saved_prec != now_prec:
             text = (f"the precision differs from checkpoint {path}'s (recipe {saved_prec.get('recipe')!r} -> "

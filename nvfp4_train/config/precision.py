@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from nvfp4_train.precision.layer_map import LayerPrecisionMap, PrecisionRule, PrecisionSwitch
 from nvfp4_train.precision.recipe import DEFAULT_GEMM_ENGINE, Ablations
 
-__all__ = ["PrecisionConfig", "RETIRED_FIELDS", "without_retired_fields"]
+__all__ = ["PrecisionConfig", "RETIRED_FIELDS", "without_retired_fields", "saved_precision_config"]
 
 
 # Fields that a saved ``precision`` section (a checkpoint's ``config.yaml``) may name and this schema no longer has,
@@ -68,3 +68,9 @@ class PrecisionConfig:
             switch=self.switch,
             gemm_engine=self.gemm_engine,
         )
+
+
+def saved_precision_config(saved: dict) -> PrecisionConfig:
+    """The :class:`PrecisionConfig` of a checkpoint's saved ``precision`` section (its ``RETIRED_FIELDS`` dropped,
+    today's defaults for fields added since): what an evaluation or an export of that checkpoint runs."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig), without_retired_fields(saved)))

@@ -259,9 +259,7 @@ def export_nvfp4(checkpoint: str | Path, out: str | Path, *, calib_data: str, ca
     before anything is written."""
     import shutil
 
-    from omegaconf import OmegaConf
-
-    from nvfp4_train.config.precision import PrecisionConfig, without_retired_fields
+    from nvfp4_train.config.precision import saved_precision_config
     from nvfp4_train.data.datasets import validate_indexed_dataset
     from nvfp4_train.data.tokenizer import DEFAULT_TOKENIZER_PATH
     from nvfp4_train.evaluate import token_batches
@@ -276,8 +274,7 @@ def export_nvfp4(checkpoint: str | Path, out: str | Path, *, calib_data: str, ca
     run = read_run_info(checkpoint)
     validate_indexed_dataset(calib_data, run.model.vocab_size)  # names the file and the fix
     info, state = load_checkpoint_model(checkpoint)
-    saved = without_retired_fields(info.config["precision"])
-    prec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig), saved))
+    prec = saved_precision_config(info.config["precision"])
     layer_map = prec.layer_map(info.model.pattern)
     layers = nvfp4_layers(info.model, layer_map, state)
     if not any(la.trained_nvfp4 for la in layers):

@@ -139,12 +139,11 @@ def test_a_retired_precision_field_of_a_checkpoint_is_no_precision_change(direct
     import yaml
     from omegaconf import OmegaConf
 
-    from nvfp4_train.config.precision import PrecisionConfig, without_retired_fields
+    from nvfp4_train.config.precision import PrecisionConfig, saved_precision_config, without_retired_fields
     from nvfp4_train.trainer import precision_with_new_defaults
 
     now = yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(PrecisionConfig(recipe="nvfp4"))))
     saved = {**now, "direct_dequant": direct_dequant}
     assert precision_with_new_defaults(without_retired_fields(saved), now) == now
     assert without_retired_fields({**saved, "gemm_engine": "triton"}) == {**now, "gemm_engine": "triton"}
-    prec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionConfig), without_retired_fields(saved)))
-    assert prec == PrecisionConfig(recipe="nvfp4")
+    assert saved_precision_config(saved) == PrecisionConfig(recipe="nvfp4")
