@@ -22,6 +22,14 @@ SHAPES = {"tiny": (2, 4, 2, 128, 64), "1.2b": (2, 16, 8, 4096, 128)}
 BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
+def _same_bits(a, b) -> bool:
+    """Bit for bit (-0.0 is not 0.0; a NaN equals the same NaN)."""
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
+
 def count_differing(run, reps: int) -> dict[str, int]:
     """Call ``run()`` (returning a dict of tensors) ``reps`` times: per key, how many calls after the first
     returned other bits than the first."""
@@ -30,7 +38,7 @@ def count_differing(run, reps: int) -> dict[str, int]:
     for _ in range(reps - 1):
         cur = run()
         for k in bad:
-            bad[k] += not bool((cur[k] == first[k]).all() and cur[k].shape == first[k].shape)
+            bad[k] += not _same_bits(cur[k], first[k])
     return bad
 
 
